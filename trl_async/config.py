@@ -1,0 +1,226 @@
+"""Configuration for the asynchronous trainers.
+
+`AsyncGRPOConfig` is TRL's `GRPOConfig` plus the knobs of the asynchronous engine and of M2PO. A plain
+`trl.GRPOConfig` also works with `AsyncGRPOTrainer`: `ensure_async_fields` fills in the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+GENERATION_BACKENDS = ("hf",)
+# Backends designed for but not built yet: named here so the error says so instead of "unknown".
+PLANNED_GENERATION_BACKENDS = ("vllm",)
+M2PO_VARIANTS = ("paper", "token")
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
+
+
+@dataclass
+class AsyncGRPOConfig(GRPOConfig):
+    r"""
+    [`~trl.GRPOConfig`] plus the asynchronous-generation and M2PO parameters of [`AsyncGRPOTrainer`].
+
+    Staleness of a row is the trainer's policy version (optimizer steps taken) when the row enters a loss, minus the
+    version of the weights that generated it. The generator is gated so that it never produces a row that would be
+    older than `max_staleness` when used, and any row that still is gets evicted, never trained on.
+    """
+
+    # --- asynchronous generation -------------------------------------------------------------------------------
+    async_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Generate rollouts in a background process per rank while the trainer trains. False runs TRL's "
+            "synchronous generation in the training process (useful for debugging and A/B runs)."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "Largest staleness (in optimizer steps) a row may have when it enters a loss. 0 is on-policy "
+            "(generation waits for every update). 1, the default, is the smallest value that lets the generator "
+            "produce batch n+1 while the trainer trains on batch n, which is all the overlap two alternating "
+            "stages can have; larger values only add slack for uneven step times, at the price of staler data."
+        },
+    )
+    queue_capacity: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most generation batches the generator may have queued or in flight. Default: derived, the "
+            "number of batches the staleness bound can admit, (max_staleness + 1) * gradient_accumulation_steps / "
+            "(steps_per_generation * num_iterations), rounded up."
+        },
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Publish the policy weights to the generator every this many optimizer steps. Must be at most "
+            "max_staleness + 1, otherwise the generator could never get weights recent enough."
+        },
+    )
+    generation_backend: str = field(
+        default="hf",
+        metadata={"help": "Generation backend of the background process: 'hf' (transformers `generate`)."},
+    )
+    generation_device: str | None = field(
+        default=None,
+        metadata={
+            "help": "Device of the generation process, e.g. 'cpu' or 'cuda:1'. Default: the device accelerate "
+            "gives this rank."
+        },
+    )
+    generation_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch CPU threads of the generation process. Default: half of this rank's CPU cores (at least "
+            "1); when both processes compute on the CPU, the trainer keeps the other half."
+        },
+    )
+    generator_startup_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds to wait for the generation process to load its model and report ready."},
+    )
+    generator_heartbeat_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Seconds without any sign of progress from the generation process after which the trainer "
+            "stops with an error instead of waiting forever. The generator beats at every generated token."
+        },
+    )
+
+    # --- M2PO ----------------------------------------------------------------------------------------------------
+    m2po_threshold: float = field(
+        default=0.04,
+        metadata={
+            "help": "τ_M2 of M2PO (loss_type='m2po', m2po_variant='paper'): tokens with the largest squared log "
+            "importance ratio are masked until the mean over the kept tokens is at most this value."
+        },
+    )
+    m2po_variant: str = field(
+        default="paper",
+        metadata={
+            "help": "'paper': the published M2PO rule (Zheng et al. 2025, arXiv 2510.01161), no ε-clip. 'token': "
+            "the per-token rule r² ≤ m2po_gamma inside the PPO clip, as printed on the AsyncTensorRLHF page; kept "
+            "only to reproduce that page's figures side by side."
+        },
+    )
+    m2po_gamma: float = field(
+        default=2.0,
+        metadata={"help": "γ of m2po_variant='token': a token is kept when r² ≤ γ."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_async_fields(self)
+
+
+ASYNC_FIELDS = tuple(
+    f for f in dataclasses.fields(AsyncGRPOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
+)
+
+
+def ensure_async_fields(args: GRPOConfig) -> GRPOConfig:
+    """Give a plain `GRPOConfig` the async defaults (in place) and validate; an `AsyncGRPOConfig` is only validated."""
+    for f in ASYNC_FIELDS:
+        if not hasattr(args, f.name):
+            setattr(args, f.name, f.default)
+    validate_async_fields(args)
+    return args
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def validate_async_fields(args) -> None:
+    """Validate the async and M2PO fields, and their consistency with TRL's batch geometry."""
+    _check(
+        args.loss_type in LOSS_TYPES,
+        f"loss_type={args.loss_type!r} is unknown. Use one of {list(LOSS_TYPES)}.",
+    )
+    _check(
+        isinstance(args.max_staleness, int) and args.max_staleness >= 0,
+        f"max_staleness must be an integer >= 0 (0 = on-policy), got {args.max_staleness!r}.",
+    )
+    _check(
+        isinstance(args.weight_sync_steps, int) and args.weight_sync_steps >= 1,
+        f"weight_sync_steps must be an integer >= 1, got {args.weight_sync_steps!r}.",
+    )
+    if args.generation_backend in PLANNED_GENERATION_BACKENDS:
+        raise ValueError(
+            f"generation_backend={args.generation_backend!r} is not available in this release; use 'hf'."
+        )
+    _check(
+        args.generation_backend in GENERATION_BACKENDS,
+        f"generation_backend={args.generation_backend!r} is unknown. Use one of {list(GENERATION_BACKENDS)}.",
+    )
+    _check(
+        args.queue_capacity is None or (isinstance(args.queue_capacity, int) and args.queue_capacity >= 1),
+        f"queue_capacity must be None (derived) or an integer >= 1, got {args.queue_capacity!r}.",
+    )
+    _check(
+        args.generation_num_threads is None
+        or (isinstance(args.generation_num_threads, int) and args.generation_num_threads >= 1),
+        f"generation_num_threads must be None (auto) or an integer >= 1, got {args.generation_num_threads!r}.",
+    )
+    for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
+        value = getattr(args, name)
+        _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")
+    _check(
+        args.m2po_threshold is not None and args.m2po_threshold > 0,
+        f"m2po_threshold must be > 0 (τ_M2, the paper uses 0.04), got {args.m2po_threshold!r}.",
+    )
+    _check(
+        args.m2po_variant in M2PO_VARIANTS,
+        f"m2po_variant={args.m2po_variant!r} is unknown. Use 'paper' (published M2PO) or 'token' (reference page).",
+    )
+    _check(args.m2po_gamma is not None and args.m2po_gamma > 0, f"m2po_gamma must be > 0, got {args.m2po_gamma!r}.")
+
+    if args.async_generation:
+        span = usage_span(args)
+        _check(
+            span <= args.max_staleness,
+            f"Each generation batch is trained on across {span + 1} optimizer steps (steps_per_generation="
+            f"{args.steps_per_generation}, num_iterations={args.num_iterations}, gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}), so its rows reach staleness {span} even when fresh. Set "
+            f"max_staleness >= {span}.",
+        )
+        _check(
+            args.weight_sync_steps <= args.max_staleness + 1 - span,
+            f"weight_sync_steps={args.weight_sync_steps} cannot keep rows within max_staleness="
+            f"{args.max_staleness}: the generator would wait for weights that are never published. Set "
+            f"weight_sync_steps <= {args.max_staleness + 1 - span} or raise max_staleness.",
+        )
+
+
+def micro_steps_per_generation(args) -> int:
+    """How many training micro-steps one generation batch feeds (TRL's `generate_every`)."""
+    return args.steps_per_generation * args.num_iterations
+
+
+def first_and_last_use(index: int, args, base_version: int = 0) -> tuple[int, int]:
+    """Policy versions at which generation batch `index` first and last enters a loss.
+
+    TRL generates at micro-steps 0, g, 2g, ... (g = steps_per_generation * num_iterations) and takes an optimizer step
+    every `gradient_accumulation_steps` micro-steps, so batch n is used at micro-steps [n g, n g + g - 1].
+    """
+    g, a = micro_steps_per_generation(args), args.gradient_accumulation_steps
+    return base_version + (index * g) // a, base_version + (index * g + g - 1) // a
+
+
+def usage_span(args) -> int:
+    """Most optimizer steps between the first and last use of one generation batch (the schedule repeats every a)."""
+    return max(
+        last - first for first, last in (first_and_last_use(n, args) for n in range(args.gradient_accumulation_steps))
+    )
+
+
+def derived_queue_capacity(args) -> int:
+    if args.queue_capacity is not None:
+        return args.queue_capacity
+    g, a = micro_steps_per_generation(args), args.gradient_accumulation_steps
+    return max(1, -(-(args.max_staleness + 1) * a // g))
