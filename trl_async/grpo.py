@@ -35,6 +35,7 @@ from .config import (
 )
 from .importance import fold_into_advantages, truncated_importance_weights
 from .losses import m2po_loss, reference_m2po_loss
+from .rewards import is_tensor_reward
 from .rollout import GenerationProcess, GeneratorSpec, ModelSpec, SharedWeightStore, StalenessBoundedQueue
 from .rollout.weights import named_frozen_parameters, named_trainable_parameters
 
@@ -177,7 +178,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         rollout_queue.publish(version)
         device, threads = self._generation_placement()
-        any_text_reward = any(not getattr(f, "is_tensor_reward", False) for f in self.reward_funcs)
+        any_text_reward = not all(is_tensor_reward(f) for f in self.reward_funcs)
         spec = GeneratorSpec(
             process_index=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes,

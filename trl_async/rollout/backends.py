@@ -12,6 +12,7 @@ a `trl vllm-serve` server can slot in without touching the queue or the trainer:
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -97,7 +98,10 @@ class HFBackend(GenerationBackend):
         self.model_spec = model_spec
         self.frozen_store = frozen_store
         self.trainable_store = trainable_store
-        self.generation_config = generation_config
+        # Our own copy, asking `generate` for the raw logits of every step (the behaviour log-probs need them).
+        self.generation_config = copy.deepcopy(generation_config)
+        self.generation_config.output_logits = True
+        self.generation_config.return_dict_in_generate = True
         self.temperature = temperature
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -146,8 +150,6 @@ class HFBackend(GenerationBackend):
             attention_mask=attention_mask.to(self.device),
             generation_config=self.generation_config,
             logits_processor=LogitsProcessorList([_Heartbeat(self.heartbeat)]),
-            output_logits=True,
-            return_dict_in_generate=True,
         )
         completion_ids = out.sequences[:, width:]
         # Behaviour log-probs under the trainer's own scaling: log_softmax(raw logits / temperature), as TRL's

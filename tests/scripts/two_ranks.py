@@ -1,0 +1,83 @@
+# Run under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo) or `torchrun --nproc_per_node 2`.
+# Each rank records what it saw into <output_dir>/rank<k>.json for tests/test_distributed.py to check.
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+from trl_async.rewards import MathAnswerReward, math_answer_text_reward
+
+
+class RecordingTrainer(AsyncGRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.rows_per_step.append(int(inputs["completion_ids"].size(0)))
+        staleness = self.state.global_step - inputs["rollout_versions"]
+        self.max_staleness_seen = max(self.max_staleness_seen, int(staleness.max()))
+        return super()._compute_loss(model, inputs)
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        if self._rollout is not None:
+            self.generator_pids.add(self._rollout.process.pid)
+        return out
+
+
+def parameter_checksum(model) -> float:
+    return sum(p.detach().double().abs().sum().item() for p in model.parameters())
+
+
+def main():
+    output_dir = sys.argv[1]
+    loss_type = sys.argv[2] if len(sys.argv) > 2 else "m2po"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    args = AsyncGRPOConfig(
+        output_dir=output_dir,
+        max_steps=4,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=24,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=not torch.cuda.is_available(),  # on CPU, accelerate's multi-process mode is MULTI_CPU (gloo)
+        loss_type=loss_type,
+        max_staleness=1,
+    )
+    trainer = RecordingTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+        reward_funcs=[math_answer_text_reward if loss_type == "dapo" else MathAnswerReward(tokenizer)],
+        args=args,
+        train_dataset=make_arithmetic_dataset(num_train=128, num_test=8)["train"],
+        processing_class=tokenizer,
+    )
+    trainer.rows_per_step, trainer.generator_pids, trainer.max_staleness_seen = [], set(), 0
+    initial_checksum = parameter_checksum(trainer.model)
+    trainer.train()
+    # Parameters must have moved and still agree across ranks (DDP really synchronised gradients).
+    checksum = parameter_checksum(trainer.model)
+    record = {
+        "process_index": trainer.accelerator.process_index,
+        "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "generator_pids": sorted(trainer.generator_pids),
+        "rows_per_step": trainer.rows_per_step,
+        "max_staleness_seen": trainer.max_staleness_seen,
+        "param_checksum": checksum,
+        "initial_param_checksum": initial_checksum,
+        "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+        "trainer_pid": os.getpid(),
+    }
+    with open(os.path.join(output_dir, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()
