@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None):
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 
+    import torch
+
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Several processes without GPUs: accelerate's multi-process mode on CPU (gloo) needs its CPU flag.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     argv = sys.argv[1:] if argv is None else argv
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", DEFAULT_CONFIG, *argv]

@@ -107,6 +107,13 @@ class AsyncGRPOConfig(GRPOConfig):
             "only to reproduce that page's figures side by side."
         },
     )
+    m2po_aligned_only: bool = field(
+        default=False,
+        metadata={
+            "help": "The M2PO authors' later variant: only tokens whose ratio moves with their advantage "
+            "((A>0 and r>1) or (A<0 and r<1)) may be masked; the others are always kept and count in the mean."
+        },
+    )
     m2po_gamma: float = field(
         default=2.0,
         metadata={"help": "γ of m2po_variant='token': a token is kept when r² ≤ γ."},

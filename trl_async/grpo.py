@@ -141,11 +141,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         cores = max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
         threads = args.generation_num_threads
         on_cpu = torch.device(device).type == "cpu"
+        omp_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
         if threads is None:
             threads = max(1, cores // 2) if on_cpu else 1
-            if "OMP_NUM_THREADS" in os.environ:
-                threads = min(threads, max(1, int(os.environ["OMP_NUM_THREADS"])))
-        if on_cpu and self.accelerator.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            if omp_threads.isdigit():
+                threads = min(threads, max(1, int(omp_threads)))
+        if on_cpu and self.accelerator.device.type == "cpu" and not omp_threads:
             # Both processes compute on the same cores: split them instead of oversubscribing.
             torch.set_num_threads(max(1, cores - threads))
         return device, threads
@@ -383,7 +384,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
             normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
         if args.m2po_variant == "paper":
             loss, stats = m2po_loss(
-                per_token_logps, behaviour, advantages, mask, threshold=args.m2po_threshold, normalizer=normalizer
+                per_token_logps,
+                behaviour,
+                advantages,
+                mask,
+                threshold=args.m2po_threshold,
+                normalizer=normalizer,
+                aligned_only=args.m2po_aligned_only,
             )
         else:
             loss, stats = reference_m2po_loss(

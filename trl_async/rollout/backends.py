@@ -102,6 +102,8 @@ class HFBackend(GenerationBackend):
         self.generation_config = copy.deepcopy(generation_config)
         self.generation_config.output_logits = True
         self.generation_config.return_dict_in_generate = True
+        # Trainers switch `use_cache` off for training; generating without a KV cache is quadratic (10x slower here).
+        self.generation_config.use_cache = True
         self.temperature = temperature
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -112,7 +114,9 @@ class HFBackend(GenerationBackend):
 
     def load(self) -> int:
         spec = self.model_spec
-        model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype)
+        config = copy.deepcopy(spec.config)
+        config.use_cache = True
+        model = AutoModelForCausalLM.from_config(config, dtype=spec.dtype)
         if spec.peft_config is not None:
             from peft import get_peft_model
 

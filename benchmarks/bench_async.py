@@ -1,0 +1,284 @@
+"""Throughput and learning of AsyncGRPOTrainer against TRL's GRPOTrainer, side by side in one invocation.
+
+    python benchmarks/bench_async.py                      # full run: 64- and 24-token completions, 3 repeats
+    python benchmarks/bench_async.py --quick              # smoke: fewer steps, one repeat
+
+Setup: the bundled tiny model, generated arithmetic, 4 prompts x 8 generations per optimizer step, 60 optimizer
+steps, the same text reward. Every run is a fresh Python process with default thread settings, as a user would run
+it (OMP_NUM_THREADS is removed from the environment of the runs). Contenders, interleaved within each repeat so
+machine noise hits all alike:
+
+* `trl`: TRL's GRPOTrainer (synchronous: generate, then train);
+* `async-S{1,2,4}`: AsyncGRPOTrainer, loss_type dapo (TRL's default) with truncated IS correction;
+* `async-S2-m2po`: AsyncGRPOTrainer with loss_type m2po.
+
+"64-token completions" are forced with `min_new_tokens` (the tiny model would otherwise stop after ~20 tokens), so
+that case really is generation-heavy; the 24-token case is left free (mean lengths are reported).
+
+Reported: rows/s (steady state: steps 6..N, after the generator started), the trainer's and the generator's waiting
+fractions, the eviction rate, the reward of the last quarter of steps (mean ± standard error over repeats), and two
+ceilings computed from single-threaded timings of one generation batch (g) and one training step (t) measured in the
+same invocation: the overlap limit (g + t) / max(g, t), and the 2-core compute bound, sync step time / ((g + t) / 2).
+Writes benchmarks/results/bench_async.json and a PNG of reward against wall-clock time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+CONTENDERS = {
+    "trl": {"trainer": "trl", "loss_type": "dapo"},
+    "async-S1": {"trainer": "async", "loss_type": "dapo", "max_staleness": 1},
+    "async-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2},
+    "async-S4": {"trainer": "async", "loss_type": "dapo", "max_staleness": 4},
+    "async-S2-m2po": {"trainer": "async", "loss_type": "m2po", "max_staleness": 2},
+}
+
+
+# ------------------------------------------------------------------------------------------------ one run (worker)
+def run_worker(config: dict) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl_async.assets import tiny_model_path
+    from trl_async.data import make_arithmetic_dataset
+    from trl_async.rewards import math_answer_text_reward
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.step_end = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_end.append(time.perf_counter())
+
+    length = config["completion_length"]
+    args = AsyncGRPOConfig(
+        output_dir=config["output_dir"],
+        max_steps=config["steps"],
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=length,
+        generation_kwargs={"min_new_tokens": length} if config["force_length"] else None,
+        learning_rate=config["learning_rate"],
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        beta=0.0,
+        loss_type=config["loss_type"],
+        max_staleness=config.get("max_staleness", 1),
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        seed=config["seed"],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    trainer_cls = AsyncGRPOTrainer if config["trainer"] == "async" else GRPOTrainer
+    clock = Clock()
+    trainer = trainer_cls(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+        reward_funcs=math_answer_text_reward,
+        args=args,
+        train_dataset=make_arithmetic_dataset(num_train=2000, seed=config["seed"])["train"],
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    return {
+        "config": config,
+        "start": start,
+        "step_end": [t - start for t in clock.step_end],
+        "reward": [h["reward"] for h in logs],
+        "mean_length": statistics.mean(h["completions/mean_length"] for h in logs),
+        "trainer_wait_s": [h.get("async/trainer_wait_s", 0.0) for h in logs],
+        "generator_wait_s": [h.get("async/generator_wait_s", 0.0) for h in logs],
+        "evicted_rows": logs[-1].get("async/evicted", 0.0),
+        "staleness_mean": statistics.mean(h.get("async/staleness_mean", 0.0) for h in logs),
+        "rows_per_step": 32,
+    }
+
+
+def run_probe(config: dict) -> dict:
+    """Single-threaded time of one generation batch and one training step (forward + backward + AdamW)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from trl_async.assets import tiny_model_path
+    from trl_async.data import make_arithmetic_dataset
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    prompts = [p for p in make_arithmetic_dataset(num_train=64, num_test=8)["train"]["prompt"][:4] for _ in range(8)]
+    inputs = tokenizer.apply_chat_template(
+        prompts, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
+    )
+    length = config["completion_length"]
+    generation_config = GenerationConfig(
+        max_new_tokens=length,
+        min_new_tokens=length if config["force_length"] else 0,
+        do_sample=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.eval()
+    gen_times, train_times = [], []
+    for _ in range(5):
+        t = time.perf_counter()
+        with torch.no_grad():
+            sequences = model.generate(**inputs, generation_config=generation_config)
+        gen_times.append(time.perf_counter() - t)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for _ in range(5):
+        t = time.perf_counter()
+        logps = model(sequences).logits.float().log_softmax(-1)
+        logps.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        train_times.append(time.perf_counter() - t)
+    return {"generate_s": statistics.median(gen_times), "train_s": statistics.median(train_times)}
+
+
+def spawn(kind: str, config: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["HF_HUB_OFFLINE"] = "1"
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, os.path.abspath(__file__), f"--{kind}", json.dumps(config), "--out", out.name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
+        return json.load(open(out.name))
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+def summarize(run: dict, warmup_steps: int) -> dict:
+    ends = run["step_end"]
+    steady_s = ends[-1] - ends[warmup_steps - 1]
+    steady_steps = len(ends) - warmup_steps
+    steady_wall = sum(b - a for a, b in zip(ends[warmup_steps - 1 : -1], ends[warmup_steps:]))
+    trainer_wait = sum(run["trainer_wait_s"][warmup_steps:])
+    generator_wait = sum(run["generator_wait_s"][warmup_steps:])
+    quarter = max(1, len(run["reward"]) // 4)
+    return {
+        "rows_per_s": steady_steps * run["rows_per_step"] / steady_s,
+        "rows_per_s_end_to_end": len(ends) * run["rows_per_step"] / ends[-1],
+        "trainer_wait_fraction": trainer_wait / steady_wall,
+        "generator_wait_fraction": generator_wait / steady_wall,
+        "eviction_rate": run["evicted_rows"] / (len(ends) * run["rows_per_step"]),
+        "last_quarter_reward": statistics.mean(run["reward"][-quarter:]),
+        "mean_completion_length": run["mean_length"],
+        "staleness_mean": run["staleness_mean"],
+    }
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], float("nan")
+    return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--lengths", default="64,24", help="completion lengths, comma-separated")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, 64 tokens only")
+    parser.add_argument("--tag", default="", help="suffix of the output files")
+    args = parser.parse_args()
+    if args.worker or args.probe:
+        result = run_worker(json.loads(args.worker)) if args.worker else run_probe(json.loads(args.probe))
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+    if args.quick:
+        args.repeats, args.steps, args.lengths = 1, 10, "64"
+    lengths = [int(x) for x in args.lengths.split(",")]
+    names = args.contenders.split(",")
+    warmup = min(5, args.steps // 2)
+    os.makedirs(RESULTS, exist_ok=True)
+    report = {"steps": args.steps, "repeats": args.repeats, "learning_rate": args.learning_rate, "lengths": {}}
+    for length in lengths:
+        force = length == 64
+        base = {"completion_length": length, "force_length": force, "steps": args.steps,
+                "learning_rate": args.learning_rate}  # fmt: skip
+        probe = spawn("probe", base)
+        runs = {name: [] for name in names}
+        for repeat in range(args.repeats):
+            for name in names:
+                config = {**base, **CONTENDERS[name], "seed": repeat, "output_dir": tempfile.mkdtemp()}
+                t = time.time()
+                run = spawn("worker", config)
+                run["summary"] = summarize(run, warmup)
+                runs[name].append(run)
+                s = run["summary"]
+                print(f"L={length} repeat {repeat} {name:14s} {s['rows_per_s']:7.1f} rows/s  trainer wait "
+                      f"{s['trainer_wait_fraction']:.0%}  reward(last q) {s['last_quarter_reward']:.3f}  "
+                      f"({time.time() - t:.0f}s)", flush=True)  # fmt: skip
+        table = {}
+        for name in names:
+            summaries = [r["summary"] for r in runs[name]]
+            table[name] = {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+            table[name]["reward_mean"], table[name]["reward_se"] = mean_se([s["last_quarter_reward"] for s in summaries])
+        sync = table["trl"]["rows_per_s"] if "trl" in table else None
+        sync_step_s = 32 / sync if sync else None
+        g, t = probe["generate_s"], probe["train_s"]
+        limits = {"overlap_limit": (g + t) / max(g, t),
+                  "compute_bound_vs_sync": sync_step_s / ((g + t) / 2) if sync_step_s else None}  # fmt: skip
+        report["lengths"][str(length)] = {"probe": probe, "limits": limits, "table": table, "forced_length": force,
+                                          "runs": {n: [{k: v for k, v in r.items()} for r in rs] for n, rs in runs.items()}}  # fmt: skip
+        print(f"\n=== completions {length} tokens{' (forced)' if force else ''}: medians over {args.repeats} runs ===")
+        print(f"single-threaded: generation {g:.3f}s/batch, training {t:.3f}s/step -> overlap limit "
+              f"{limits['overlap_limit']:.2f}x, 2-core compute bound {limits['compute_bound_vs_sync'] or float('nan'):.2f}x vs sync")  # fmt: skip
+        print(f"{'contender':16s} {'rows/s':>8s} {'vs trl':>7s} {'trainer wait':>12s} {'gen wait':>9s} {'evicted':>8s} "
+              f"{'staleness':>9s} {'len':>5s} {'reward last q (mean±se)':>24s}")  # fmt: skip
+        for name, row in table.items():
+            ratio = row["rows_per_s"] / sync if sync else float("nan")
+            print(f"{name:16s} {row['rows_per_s']:8.1f} {ratio:6.2f}x {row['trainer_wait_fraction']:12.1%} "
+                  f"{row['generator_wait_fraction']:9.1%} {row['eviction_rate']:8.2%} {row['staleness_mean']:9.2f} "
+                  f"{row['mean_completion_length']:5.1f} {row['reward_mean']:14.3f} ± {row['reward_se']:.3f}")  # fmt: skip
+        plot(runs, length, args.tag)
+    path = os.path.join(RESULTS, f"bench_async{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {path}")
+
+
+def plot(runs: dict, length: int, tag: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for index, (name, rs) in enumerate(runs.items()):
+        for k, run in enumerate(rs):
+            ax.plot(run["step_end"], run["reward"], color=f"C{index}", alpha=0.8, label=name if k == 0 else None)
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("mean reward (per step)")
+    ax.set_title(f"Tiny model, 2 CPU cores, {length}-token completions")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, f"bench_async_reward_vs_time_{length}{tag}.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
