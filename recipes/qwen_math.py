@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", DEFAULT_CONFIG, *argv]
+    if not torch.cuda.is_available() and not any(a.startswith("--bf16") for a in argv):
+        argv = [*argv, "--bf16", "false"]  # configs written for GPUs ask for bf16, which CPUs here cannot do
     parser = TrlParser((RecipeArguments, AsyncGRPOConfig, ModelConfig))
     recipe, training_args, model_args = parser.parse_args_and_config(args=argv)
     if recipe.trainer not in ("async", "trl"):
