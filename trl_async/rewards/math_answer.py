@@ -1,0 +1,479 @@
+"""`MathAnswerReward`: exact-match math answers on token ids, vectorized over the batch.
+
+Per call, everything is tensor ops on the ids' device: no decode, no tokenizer, no `.item()`, no Python loop over
+rows or tokens (the only per-row Python work is the dict lookup from each row's gold answer to its cached table row,
+which the list-valued dataset column forces).
+
+1. **One lookup per token.** A table over the vocabulary gives each token a small code: tokens of marker spellings
+   get codes 1..U (interchangeable tokens share one, `_tokens.reduce_alphabet`), EOS ids U+1, all others 0.
+2. **Valid region.** The completion ends at the first EOS or the first position outside `completion_mask`
+   (`cumsum` of the stop flags == 0). Codes outside it are zeroed.
+3. **Markers.** At construction each marker (`#### `, `\\boxed{`, `The answer is`) is turned into its token
+   spellings in context (`_tokens.anchored_variants`: `\\boxed` is `\\ boxed`, `$\\ boxed`, ` \\ boxed`, ...). The
+   codes of the last `km` tokens at a position form one base-(U+2) integer (`km - 1` shifted adds); a lookup table
+   maps it to the marker *class* ending there. One `amax` over `(position << bits) + class` finds the last marker.
+4. **Answer window.** The `W` tokens after the last marker are gathered (`W` = longest answer spelling + 2;
+   positions past the completion read as a sentinel). Their prefix keys are one `cumsum` of
+   `alphabet_code(token_j) * key_j`, where the answer alphabet holds the tokens that occur in any cached spelling
+   (code 1 = anything else) and `key_j` are fixed random 44-bit integers (no int64 overflow).
+5. **Gold spellings.** The first time a gold answer is seen, every accepted spelling of it after each marker
+   (separator, prefix `$`/`\\$`/`**`, sign placement, thousands separators, `.0`/`.00`; `_answers.surface_forms`)
+   is tokenized jointly with the marker text, so merges such as `{-` in `\\boxed{-12}`, ` -$` or `:$` come out as
+   a model produces them, and stored as its key in the row (gold answer, marker class) of a sorted table.
+6. **Match.** `searchsorted` looks every prefix key up in the row's sorted keys; a hit at a prefix length where the
+   next token does not continue the number (not a digit, not `.`/`,` + digit) scores 1.
+
+Keys make the lookup one `searchsorted`; two different spellings share a key with probability about 2^-44 per
+comparison (a window has < 64 prefixes, a row a few hundred spellings: ~1e-10 per completion).
+
+Marker classes: spellings that stop at different places (`\\boxed` before a merged `{-`, `\\boxed{` before a
+digit) or belong to markers followed by different answer spellings get different classes; markers that behave alike
+(`####` and `The answer is`, both followed by `" " + number`) share one. A *closed* spelling (the marker merged with
+a newline, `####\\n`) is a class with no answers: it still counts as the last marker.
+
+Tokenization assumptions: digits are not merged with the punctuation that *follows* the number (true for byte-level
+BPE tokenizers with GPT-2/Llama-3/Qwen pre-tokenizers; tested on Qwen), and the model spells the answer the way the
+tokenizer would (a non-canonical tokenization of `42` is not matched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._answers import (
+    DEFAULT_MARKERS,
+    DEFAULT_PREFIXES,
+    DEFAULT_SEPARATORS,
+    answer_suffixes,
+    marker_spellings,
+    normalize_answer,
+)
+from ._tokens import (
+    DEFAULT_LEFT_CONTEXTS,
+    anchored_variants,
+    default_eos_ids,
+    encode_with_offsets,
+    normalize_eos,
+    number_classes,
+    reduce_alphabet,
+    tails_after,
+)
+from .base import TensorReward, pad_completion_ids, to_device
+
+__all__ = ["MathAnswerReward"]
+
+_MAX_WINDOW = 64  # longest answer spelling (in tokens) + 2
+_MAX_CODES = 2**12  # answer-alphabet codes
+_KEY_BITS = 44  # 2**12 * 2**44 * 64 terms < 2**63
+_SEED = 0x5EED_A115
+_NO_MARKER = -(2**30)
+_KEY_PAD = torch.iinfo(torch.int64).max  # table padding: larger than any key, equal to none
+_PROBE_GOLDS = ("42", "-1234.5", "1000000", "0.25", "-7", "905", "3")
+
+
+class MathAnswerReward(TensorReward):
+    """1.0 when the completion's final answer equals the gold answer, else 0.0 (NaN when the gold is missing).
+
+    Args:
+        tokenizer: the policy's fast tokenizer. Used at construction and on the first sight of each gold answer
+            (`prepare()` does that ahead of time), never while scoring seen answers.
+        answer_column: dataset column holding the gold answers (strings or numbers; a GSM8K worked solution is cut
+            after its last `####`; `None` scores NaN, TRL's "does not apply").
+        markers: answer markers; the last one in the completion decides. A trailing space in a marker is optional
+            (the separators cover it); a letter-initial marker also matches with its first letter's case swapped.
+        eos_token_id: id(s) that end the completion; default: the tokenizer's eos/pad ids and known end-of-turn
+            tokens (`<|im_end|>`, `<|endoftext|>`, `<|eot_id|>`, ...).
+        separators: what may sit between a marker and the number (default `""`, `" "`, `":"`, `": "`).
+        prefixes: accepted number prefixes (default none, `$`, `\\$`, `**`).
+        left_contexts: left contexts used to enumerate marker spellings (`_tokens.DEFAULT_LEFT_CONTEXTS`).
+        name: logged name (default `"math_answer_reward"`).
+
+    Semantics are those of `math_answer_text_reward` on decoded text (`trl_async/rewards/_answers.py`): the last
+    marker must be followed by the gold answer with a number boundary after it; text after that is ignored;
+    `1,000` == `1000`, `$42` == `**42**` == `42`, `12.0` == `12`, negatives with the sign before or after a prefix.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        answer_column: str = "answer",
+        markers: Sequence[str] = DEFAULT_MARKERS,
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        separators: Sequence[str] = DEFAULT_SEPARATORS,
+        prefixes: Sequence[str] = DEFAULT_PREFIXES,
+        left_contexts: Sequence[str] = DEFAULT_LEFT_CONTEXTS,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        if isinstance(markers, str):
+            markers = (markers,)
+        if not markers:
+            raise ValueError("MathAnswerReward needs at least one answer marker")
+        self.tokenizer = tokenizer
+        self.answer_column = answer_column
+        self.markers = tuple(markers)
+        self.separators = tuple(separators)
+        self.prefixes = tuple(prefixes)
+        self.vocab_size = len(tokenizer)
+        self.sentinel = self.vocab_size  # "no token here": padding, after the completion, outside the window
+        self.eos_token_ids = default_eos_ids(tokenizer) if eos_token_id is None else normalize_eos(eos_token_id)
+        self._head_cache: dict[tuple[int, str], tuple[int, ...] | None] = {}
+        self._body_cache: dict[str, tuple[int, ...]] = {}
+        self._build_markers(tuple(left_contexts))
+        # Window token tables, per vocabulary id (+ the sentinel): the number class (see `number_classes`) and the
+        # answer-alphabet code: tokens that occur in some cached answer spelling get codes from 2 (1 = any other
+        # token, or "past the completion"); the alphabet grows as new gold answers bring new tokens.
+        self._number_class = torch.tensor(number_classes(tokenizer), dtype=torch.int8)
+        self._alphabet_code = torch.ones(self.vocab_size + 1, dtype=torch.int16)
+        self._alphabet: dict[int, int] = {}
+        self._keys = torch.randint(1, 2**_KEY_BITS, (_MAX_WINDOW,), generator=torch.Generator().manual_seed(_SEED))
+        # Gold-answer cache: gold answer g, marker class c -> table row g * (C + 1) + c, holding the sorted keys of
+        # the spellings of g after a marker of class c (c = 0, "no marker", stays empty). Gold 0 means "no gold
+        # answer" (empty rows; scored NaN). `_index` maps a raw answer value to its first row g * (C + 1).
+        self._index: dict[Hashable, int] = {}
+        self._gold_rows: dict[str | None, int] = {None: 0}
+        self._stride = self._n_classes + 1
+        self._table = torch.full((64 * self._stride, 8), _KEY_PAD, dtype=torch.long)
+        self._n_rows = 1
+        self._max_len = 1
+        self._version = 0
+        self._device_cache: dict[torch.device, _DeviceState] = {}
+
+    # ------------------------------------------------------------------ construction
+    def _build_markers(self, contexts: tuple[str, ...]) -> None:
+        # A marker "kind" is (marker index, where its spelling stops inside the marker text), with the text the
+        # answer spellings are tokenized after; `None` for closed spellings (`####\n`), which take no answer.
+        kinds: dict[tuple[int, int | None], tuple[str, int] | None] = {}
+        variants: list[tuple[tuple[int, ...], int]] = []
+        for mi, marker in enumerate(self.markers):
+            for spelling in marker_spellings(marker):
+                for toks, end, ctx in anchored_variants(self.tokenizer, spelling, contexts):
+                    key = (mi, end)
+                    if key not in kinds:
+                        kinds[key] = None if end is None else (ctx + spelling, len(ctx) + end)
+                    variants.append((toks, list(kinds).index(key)))
+        self._kind_prefixes = list(kinds.values())
+        self._composable = self._check_composable()
+
+        # Marker classes: kinds with identical answer spellings (on probe answers) share a class (ids from 1).
+        signatures: dict[Any, int] = {}
+        kind_class: list[int] = []
+        probes = self._spellings_by_kind(list(_PROBE_GOLDS))
+        for kind, prefix in enumerate(self._kind_prefixes):
+            sig = ("closed", kind) if prefix is None else tuple(frozenset(p[kind]) for p in probes)
+            kind_class.append(signatures.setdefault(sig, len(signatures) + 1))
+        self._kind_class = kind_class
+        self._n_classes = len(signatures)
+
+        # Code table (marker tokens 1..U, interchangeable tokens sharing a code; EOS U+1) and the class lookup
+        # over the codes of the last km tokens: a direct table when (U+2)**km is small (byte-level BPE vocabularies
+        # spell the markers in 1-3 tokens), else sorted per-length encodings searched with `searchsorted` (small
+        # vocabularies spell `\\boxed` letter by letter).
+        variants = [(toks, kind_class[kind]) for toks, kind in variants if not set(toks) & set(self.eos_token_ids)]
+        code_of = reduce_alphabet(variants)
+        self._eos_code = max(code_of.values()) + 1
+        base = self._eos_code + 1
+        km = max(len(toks) for toks, _ in variants)
+        if base**km >= 2**62:
+            raise ValueError(f"marker spellings too long for exact matching ({base} codes, {km} tokens)")
+        use_table = base**km <= 2**22
+        code_dtype = torch.int32 if use_table else torch.int64
+        code = torch.zeros(self.vocab_size + 1, dtype=code_dtype)
+        tokens = sorted(code_of)
+        code[torch.tensor(tokens, dtype=torch.long)] = torch.tensor([code_of[t] for t in tokens], dtype=code_dtype)
+        eos = [e for e in self.eos_token_ids if e < self.vocab_size]
+        if eos:
+            code[torch.tensor(eos, dtype=torch.long)] = self._eos_code
+        self._code, self._base, self._km = code, base, km
+        self._class_bits = self._n_classes.bit_length()
+        self._marker_variants = variants
+        encoded = [(len(toks), sum(code_of[toks[len(toks) - 1 - j]] * base**j for j in range(len(toks))), cls)
+                   for toks, cls in variants]  # fmt: skip
+        self._class_lut, self._class_by_length = None, []
+        if use_table:
+            lut = torch.zeros(base**km, dtype=torch.long)
+            longest = torch.zeros(base**km, dtype=torch.long)
+            for k, enc, cls in encoded:
+                view, best = lut[enc :: base**k], longest[enc :: base**k]
+                take = best < k  # the longest (most specific) spelling ending here wins
+                view.copy_(torch.where(take, cls, view))
+                best.copy_(torch.where(take, k, best))
+            # "No marker" is a large negative number: `(position << bits) + lut` is then positive exactly at marker
+            # ends, and one `amax` finds the last marker and its class.
+            self._class_lut = torch.where(lut == 0, _NO_MARKER, lut).to(torch.int32)
+        else:
+            for length in sorted({k for k, _, _ in encoded}):  # ascending: a longer spelling overrides a shorter
+                table = dict(sorted((enc, cls) for k, enc, cls in encoded if k == length))
+                self._class_by_length.append(
+                    (length, torch.tensor(list(table), dtype=torch.long), torch.tensor(list(table.values())))
+                )
+
+    def _split_suffixes(self, gold: str) -> list[tuple[str, str]]:
+        out = []
+        for suffix in answer_suffixes(gold, self.separators, self.prefixes):
+            cut = next((i for i, ch in enumerate(suffix) if ch.isdigit()), len(suffix))
+            out.append((suffix[:cut], suffix[cut:]))
+        return out
+
+    def _spellings_by_kind(self, golds: Sequence[str | None], compose: bool | None = None) -> list[list[set]]:
+        """For each gold answer and each marker kind: the set of token spellings of the answer after the marker."""
+        open_kinds = [k for k, p in enumerate(self._kind_prefixes) if p is not None]
+        pieces: list[tuple[int, int, str, str]] = []  # (gold index, kind, head, body)
+        for gi, gold in enumerate(golds):
+            if gold is not None:
+                pieces += [(gi, k, head, body) for head, body in self._split_suffixes(gold) for k in open_kinds]
+        out: list[list[set]] = [[set() for _ in self._kind_prefixes] for _ in golds]
+        for (gi, kind, _, _), tail in zip(pieces, self._tails(pieces, compose), strict=True):
+            if tail and len(tail) <= _MAX_WINDOW - 2:
+                out[gi][kind].add(tail)
+        return out
+
+    def _tails(self, pieces: Sequence[tuple[int, int, str, str]], compose: bool | None = None) -> list:
+        """Token ids after the marker cut of `marker text + head + body`, for each piece (`None`: no boundary).
+
+        Tokenizing every spelling of every answer jointly with every marker is the slow part of first sight (a few
+        hundred strings per answer). When the tokenizer starts a token at every digit and tokenizes a number
+        independently of what precedes it (checked at construction on probe answers), a spelling is composed from
+        a cached answer-independent *head* (marker end + separator + prefix + sign) and the tokens of the *body*
+        (the number); otherwise it is tokenized whole.
+        """
+        compose = self._composable if compose is None else compose
+        out: list = [None] * len(pieces)
+        whole: list[int] = []
+        if compose:
+            heads = sorted({(k, h) for _, k, h, b in pieces if b and (k, h) not in self._head_cache})
+            if heads:
+                got = tails_after(self.tokenizer, [(*self._kind_prefixes[k], h + "0") for k, h in heads])
+                for key, toks in zip(heads, got, strict=True):
+                    self._head_cache[key] = toks[:-1] if toks and toks[-1] == self._zero_id else None
+            bodies = sorted({b for _, _, _, b in pieces if b and b not in self._body_cache})
+            if bodies:
+                for body, (ids, _) in zip(bodies, encode_with_offsets(self.tokenizer, bodies), strict=True):
+                    self._body_cache[body] = tuple(ids)
+            for i, (_, k, h, b) in enumerate(pieces):
+                head = self._head_cache.get((k, h)) if b else None
+                if head is None:
+                    whole.append(i)
+                else:
+                    out[i] = head + self._body_cache[b]
+        else:
+            whole = list(range(len(pieces)))
+        if whole:
+            got = tails_after(
+                self.tokenizer, [(*self._kind_prefixes[pieces[i][1]], pieces[i][2] + pieces[i][3]) for i in whole]
+            )
+            for i, toks in zip(whole, got, strict=True):
+                out[i] = toks
+        return out
+
+    def _check_composable(self) -> bool:
+        zero = encode_with_offsets(self.tokenizer, ["0"])[0][0]
+        if len(zero) != 1:
+            return False
+        self._zero_id = zero[0]
+        open_kinds = [k for k, p in enumerate(self._kind_prefixes) if p is not None]
+        pieces = [(0, k, h, b) for gold in _PROBE_GOLDS for h, b in self._split_suffixes(gold) for k in open_kinds]
+        return self._tails(pieces, compose=True) == self._tails(pieces, compose=False)
+
+    # ------------------------------------------------------------------ gold-answer cache
+    def spellings(self, answer: Any) -> dict[tuple[int, ...], set[int]]:
+        """Token spellings accepted for `answer` right after a marker: `{token ids: {marker classes}}`. The ids
+        include the end of the marker that the tokenizer merges with the answer (`{-` for `\\boxed{-12}`)."""
+        out: dict[tuple[int, ...], set[int]] = {}
+        for kind, tails in enumerate(self._spellings_by_kind([normalize_answer(answer)])[0]):
+            for tail in tails:
+                out.setdefault(tail, set()).add(self._kind_class[kind])
+        return out
+
+    def prepare(self, answers: Sequence[Any]) -> None:
+        """Tokenize the spellings of every gold answer in `answers` now (batched), instead of on first sight while
+        training. Optional: pass the dataset's answer column before training."""
+        self._rows(list(answers))
+
+    def _add_golds(self, golds: Sequence[str | None]) -> None:
+        new = [g for g in dict.fromkeys(golds) if g not in self._gold_rows]
+        if not new:
+            return
+        per_row: list[list[tuple[int, ...]]] = []  # table rows of the new golds, `stride` per gold
+        for by_kind in self._spellings_by_kind(new):
+            by_class: list[set] = [set() for _ in range(self._stride)]
+            for kind, tails in enumerate(by_kind):
+                by_class[self._kind_class[kind]] |= tails
+            per_row += [sorted(tails) for tails in by_class]
+        flat = [t for tails in per_row for t in tails]
+        keys = self._hash_many(flat) if flat else torch.zeros(0, dtype=torch.long)
+        first = self._n_rows * self._stride
+        need_rows, need_width = first + len(per_row), max([len(t) for t in per_row] + [1])
+        cap, width = self._table.shape
+        if need_rows > cap or need_width > width:
+            while cap < need_rows:
+                cap *= 2
+            grown = torch.full((cap, max(width, need_width)), _KEY_PAD, dtype=torch.long)
+            grown[:first, :width] = self._table[:first]
+            self._table = grown
+            self._version += 1
+        start = 0
+        for i, tails in enumerate(per_row):
+            if tails:
+                self._table[first + i, : len(tails)] = keys[start : start + len(tails)].sort().values
+                start += len(tails)
+                self._max_len = max(self._max_len, max(len(t) for t in tails))
+        for gold in new:
+            self._gold_rows[gold] = self._n_rows
+            self._n_rows += 1
+
+    def _hash_many(self, tails: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """Keys of token sequences: sum_j code(token_j) * key_j, with the answer-alphabet codes (new tokens are
+        added to the alphabet). Codes < 2**12, keys < 2**_KEY_BITS and at most 64 terms: no int64 overflow."""
+        alphabet = self._alphabet
+        new = sorted({t for tail in tails for t in tail} - alphabet.keys())
+        if new:
+            if len(alphabet) + len(new) + 2 > _MAX_CODES:
+                raise ValueError(f"more than {_MAX_CODES - 2} distinct tokens in answer spellings")
+            for t in new:
+                alphabet[t] = len(alphabet) + 2
+            ids = torch.tensor(new, dtype=torch.long)
+            self._alphabet_code[ids] = torch.tensor([alphabet[t] for t in new], dtype=torch.int16)
+            self._version += 1
+        codes, _ = pad_completion_ids([[alphabet[t] for t in tail] for tail in tails], pad_id=0)
+        return (codes * self._keys[: codes.shape[1]]).sum(-1)
+
+    @staticmethod
+    def _key(answer: Any) -> Hashable:
+        return answer if isinstance(answer, Hashable) else repr(answer)
+
+    def _rows(self, answers: Sequence[Any]) -> list[int]:
+        """First table row (gold row * (C + 1)) of each answer; 0 for a missing answer."""
+        index = self._index
+        try:
+            return [index[a] for a in answers]
+        except (KeyError, TypeError):
+            pass
+        missing = {self._key(a): a for a in answers if self._key(a) not in index}
+        golds = {key: normalize_answer(a) for key, a in missing.items()}
+        self._add_golds(list(golds.values()))
+        for key, gold in golds.items():
+            index[key] = self._gold_rows[gold] * self._stride
+        return [index[self._key(a)] for a in answers]
+
+    # ------------------------------------------------------------------ device state
+    def _state(self, device: torch.device) -> _DeviceState:
+        st = self._device_cache.get(device)
+        if st is None:
+            st = self._device_cache[device] = _DeviceState(self, device)
+        if st.version != self._version:
+            st.sync(self)
+        elif st.rows < self._n_rows:
+            st.sync_rows(self)
+        return st
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_device_cache"] = {}
+        return state
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
+        if self.answer_column not in columns:
+            raise KeyError(f"{self.__name__} needs the dataset column {self.answer_column!r} (gold answers)")
+        answers = columns[self.answer_column]
+        batch, length = completion_ids.shape
+        if len(answers) != batch:
+            raise ValueError(f"{self.__name__}: {len(answers)} answers for {batch} completions")
+        rows = self._rows(answers)
+        device = completion_ids.device
+        st = self._state(device)
+        first_row = to_device(torch.tensor(rows, dtype=torch.long), device)
+        if length == 0:
+            out = torch.zeros(batch, dtype=torch.float32, device=device)
+            return torch.where(first_row == 0, torch.nan, out) if 0 in rows else out
+        window = self._max_len + 2
+        pos_shifted, arange_w, keys_w = st.constants(length, window)
+        km, base, sentinel = self._km, self._base, self.sentinel
+
+        # 1. Codes and the valid region (before the first EOS, inside the mask).
+        ids = completion_ids.clamp(0, sentinel)
+        code = st.code.index_select(0, ids.view(-1)).view(batch, length)
+        stop = code == self._eos_code
+        stop |= ~completion_mask if completion_mask.dtype == torch.bool else completion_mask == 0
+        valid = stop.cumsum(1) == 0
+        n_valid = valid.sum(1, keepdim=True)
+
+        # 2. Marker class ending at each position, from the codes of the last km tokens (codes outside the
+        #    completion are zeroed, and every marker token has a non-zero code, so no marker ends there).
+        code = code * valid
+        if km > 1:
+            padded = F.pad(code, (km - 1, 0))
+            code = padded[:, km - 1 :]
+            for j in range(1, km):
+                code = torch.add(code, padded[:, km - 1 - j : km - 1 - j + length], alpha=base**j)
+        if st.class_lut is not None:
+            classes = st.class_lut.index_select(0, code.reshape(-1)).view(batch, length)
+        else:
+            classes = torch.full_like(code, _NO_MARKER)
+            for k, encs, cls in st.class_by_length:
+                suffix = code % base**k if k < km else code  # codes of the last k tokens
+                at = torch.searchsorted(encs, suffix).clamp_(max=encs.numel() - 1)
+                classes = torch.where(encs[at] == suffix, cls[at], classes)
+        # The last marker: max over positions of (1-based position << bits) + class; negative: no marker.
+        packed = (pos_shifted + classes).amax(1, keepdim=True).clamp_(min=0)
+        last, cls = packed >> self._class_bits, packed & ((1 << self._class_bits) - 1)
+
+        # 3. The window after it: answer-alphabet codes -> prefix keys; number classes -> where a prefix may end.
+        pos = last + arange_w  # (B, W + 1), 0-based positions after the marker
+        win = torch.where(pos < n_valid, ids.gather(1, pos.clamp(max=length - 1)), sentinel)
+        flat_win = win.view(-1)
+        keys = (st.alphabet_code.index_select(0, flat_win).view(batch, window + 1)[:, :-2] * keys_w).cumsum(1)
+        num = st.number_class.index_select(0, flat_win).view(batch, window + 1)
+        ends = torch.add(num[:, 2:], num[:, 1:-1], alpha=4) < 7  # the token after the prefix does not continue it
+
+        # 4. Look each prefix key up in the sorted keys of (row's gold answer, marker class).
+        table = st.table.index_select(0, first_row + cls.view(-1))  # (B, V)
+        at = torch.searchsorted(table, keys).clamp_(max=table.shape[1] - 1)
+        out = ((table.gather(1, at) == keys) & ends).any(1).to(torch.float32)
+        if 0 in rows:  # rows without a gold answer: "does not apply" (TRL semantics)
+            out = torch.where(first_row == 0, torch.nan, out)
+        return out
+
+
+class _DeviceState:
+    """Tensors of one `MathAnswerReward` on one device, and per-shape constants."""
+
+    def __init__(self, reward: MathAnswerReward, device: torch.device):
+        self.device = device
+        self.code = to_device(reward._code, device)
+        self.class_lut = None if reward._class_lut is None else to_device(reward._class_lut, device)
+        self.class_by_length = [(k, to_device(e, device), to_device(c, device)) for k, e, c in reward._class_by_length]
+        self.number_class = to_device(reward._number_class, device)
+        self.version, self.rows = -1, 0
+        self._constants: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._keys = to_device(reward._keys, device)
+        self._shift = reward._class_bits
+        self.sync(reward)
+
+    def sync(self, reward: MathAnswerReward) -> None:
+        # On the host's own device these are the reward's tensors themselves (appended rows show up directly).
+        self.alphabet_code = to_device(reward._alphabet_code, self.device)
+        self.table = to_device(reward._table, self.device)
+        self.version, self.rows = reward._version, reward._n_rows
+
+    def sync_rows(self, reward: MathAnswerReward) -> None:
+        lo, hi = self.rows * reward._stride, reward._n_rows * reward._stride
+        if self.table is not reward._table:
+            self.table[lo:hi] = to_device(reward._table[lo:hi], self.device)
+        self.rows = reward._n_rows
+
+    def constants(self, length: int, window: int) -> tuple[torch.Tensor, ...]:
+        consts = self._constants.get((length, window))
+        if consts is None:
+            if (length + 1) << self._shift >= 2**30:
+                raise ValueError(f"completions of {length} tokens are too long for MathAnswerReward")
+            pos_shifted = to_device(torch.arange(1, length + 1, dtype=torch.int32) << self._shift, self.device)
+            arange_w = to_device(torch.arange(window + 1, dtype=torch.long), self.device)
+            consts = self._constants[(length, window)] = (pos_shifted, arange_w, self._keys[: window - 1])
+        return consts
