@@ -8,7 +8,9 @@ steps, the same text reward. Every run is a fresh Python process with default th
 it (OMP_NUM_THREADS is removed from the environment of the runs). Contenders, interleaved within each repeat so
 machine noise hits all alike:
 
-* `trl`: TRL's GRPOTrainer (synchronous: generate, then train);
+* `trl`: TRL's GRPOTrainer (synchronous: generate, then train), the baseline every ratio is taken against;
+* `trl-defaults`: the same left at TRL's defaults (see CONTENDERS: no KV cache in generation, gradient
+  checkpointing), for reference only;
 * `async-S{1,2,4}`: AsyncGRPOTrainer, loss_type dapo (TRL's default) with truncated IS correction;
 * `async-S2-m2po`: AsyncGRPOTrainer with loss_type m2po.
 
@@ -36,12 +38,18 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
+# Every contender runs the same configuration: gradient checkpointing off (a 1M-parameter model needs none) and
+# `use_cache=True`, so TRL's in-process generation keeps its KV cache like our generator does. `trl-defaults` is
+# TRL left exactly at its defaults, for reference: transformers' Trainer then sets `model.config.use_cache =
+# args.use_cache` (False) and TRL generates without a KV cache, and gradient checkpointing recomputes the forward.
+TUNED = {"use_cache": True, "gradient_checkpointing": False}
 CONTENDERS = {
-    "trl": {"trainer": "trl", "loss_type": "dapo"},
-    "async-S1": {"trainer": "async", "loss_type": "dapo", "max_staleness": 1},
-    "async-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2},
-    "async-S4": {"trainer": "async", "loss_type": "dapo", "max_staleness": 4},
-    "async-S2-m2po": {"trainer": "async", "loss_type": "m2po", "max_staleness": 2},
+    "trl-defaults": {"trainer": "trl", "loss_type": "dapo", "use_cache": False, "gradient_checkpointing": True},
+    "trl": {"trainer": "trl", "loss_type": "dapo", **TUNED},
+    "async-S1": {"trainer": "async", "loss_type": "dapo", "max_staleness": 1, **TUNED},
+    "async-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2, **TUNED},
+    "async-S4": {"trainer": "async", "loss_type": "dapo", "max_staleness": 4, **TUNED},
+    "async-S2-m2po": {"trainer": "async", "loss_type": "m2po", "max_staleness": 2, **TUNED},
 }
 
 
@@ -81,6 +89,8 @@ def run_worker(config: dict) -> dict:
         save_strategy="no",
         bf16=False,
         seed=config["seed"],
+        use_cache=config.get("use_cache", False),
+        gradient_checkpointing=config.get("gradient_checkpointing", True),
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     trainer_cls = AsyncGRPOTrainer if config["trainer"] == "async" else GRPOTrainer
