@@ -250,7 +250,7 @@ def gpu_sync_check(tok, reward):
 
 
 def fixed_cost(tok, reward):
-    """Warm time of the tensor path on a tiny batch (B=8, L=32): the per-call cost of dispatching its ~50 eager
+    """Warm time of the tensor path on a tiny batch (B=8, L=32): the per-call cost of dispatching its ~30 eager
     PyTorch ops, which no batch size amortizes below."""
     ids, mask, answers, _ = make_batch(tok, 8, 32)
     reward(ids, mask, answer=answers)

@@ -184,6 +184,45 @@ def test_conversational_and_missing_gold(tok, reward):
     assert math_answer_text_reward(["#### 42"], answer=[None]) == [None]
 
 
+def test_mask_holes_out_of_range_ids_dtypes_and_shapes(tok, reward, eos):
+    """Scoring equals scoring each row cut at its first stop (EOS or a 0 in the mask), with out-of-range ids read as
+    an ordinary non-number token; for long/bool masks, int32 ids and batch shapes that change from call to call
+    (per-shape buffers are reused). The result is an ordinary tensor, not an inference tensor."""
+    samples = make_samples(n_per_category=12, seed=11)
+    ids, mask = padded_batch(samples, tok, eos, tok.pad_token_id, mask_after_eos=False)
+    answers = [s.answer for s in samples]
+    gen = torch.Generator().manual_seed(0)
+    batch, width = ids.shape
+    holes = mask * (torch.rand(batch, width, generator=gen) > 0.01)
+    cut = torch.randint(1, width, (batch // 2, 1), generator=gen)
+    holes[: batch // 2] *= torch.arange(width) < cut  # and masks that end early
+    noisy = ids.clone()
+    odd = torch.rand(batch, width, generator=gen) < 0.005
+    noisy[odd] = torch.randint(len(tok), len(tok) + 1000, (int(odd.sum()),), generator=gen)
+    plain = tok.encode(" apple", add_special_tokens=False)[0]
+    eos_ids = torch.tensor(reward.eos_token_ids)
+
+    def cut_at_first_stop(ids, mask):
+        clean = torch.full((ids.shape[0], ids.shape[1] + 1), tok.pad_token_id)
+        for i in range(ids.shape[0]):
+            stops = ((mask[i] == 0) | torch.isin(ids[i], eos_ids)).nonzero()
+            end = int(stops[0]) if len(stops) else ids.shape[1]
+            clean[i, :end] = torch.where(ids[i, :end] >= len(tok), plain, ids[i, :end])
+            clean[i, end] = eos
+        return clean
+
+    expected = reward(cut_at_first_stop(noisy, holes), answer=answers).tolist()
+    expected_small = reward(cut_at_first_stop(noisy[:7, :50], holes[:7, :50]), answer=answers[:7]).tolist()
+    assert 0.2 < sum(expected) / batch < 0.9
+    for _ in range(2):
+        for got, want in (
+            (reward(noisy, holes, answer=answers), expected),
+            (reward(noisy.int(), holes.bool(), answer=answers), expected),
+            (reward(noisy[:7, :50], holes[:7, :50], answer=answers[:7]), expected_small),
+        ):
+            assert not got.is_inference() and got.tolist() == want
+
+
 def test_trl_signature_and_gold_types(tok, reward):
     ids = [tok.encode("so #### 1,234") + [tok.convert_tokens_to_ids("<|im_end|>")], tok.encode("#### 12")]
     out = reward(

@@ -4,18 +4,25 @@ Per call, everything is tensor ops on the ids' device: no decode, no tokenizer, 
 rows or tokens (the only per-row Python work is the dict lookup from each row's gold answer to its cached table row,
 which the list-valued dataset column forces).
 
-1. **One lookup per token.** A table over the vocabulary gives each token a small code: tokens of marker spellings
-   get codes 1..U (interchangeable tokens share one, `_tokens.reduce_alphabet`), EOS ids U+1, all others 0.
-2. **Valid region.** The completion ends at the first EOS or the first position outside `completion_mask`
-   (`cumsum` of the stop flags == 0). Codes outside it are zeroed.
-3. **Markers.** At construction each marker (`#### `, `\\boxed{`, `The answer is`) is turned into its token
-   spellings in context (`_tokens.anchored_variants`: `\\boxed` is `\\ boxed`, `$\\ boxed`, ` \\ boxed`, ...). The
-   codes of the last `km` tokens at a position form one base-(U+2) integer (`km - 1` shifted adds); a lookup table
-   maps it to the marker *class* ending there. One `amax` over `(position << bits) + class` finds the last marker.
-4. **Answer window.** The `W` tokens after the last marker are gathered (`W` = longest answer spelling + 2;
-   positions past the completion read as a sentinel). Their prefix keys are one `cumsum` of
-   `alphabet_code(token_j) * key_j`, where the answer alphabet holds the tokens that occur in any cached spelling
-   (code 1 = anything else) and `key_j` are fixed random 44-bit integers (no int64 overflow).
+1. **Padded ids.** The ids are written into a reused `(B, km + L + W)` buffer between sentinel padding (ids out of
+   range read as the sentinel; positions outside `completion_mask` as a "masked" id that acts as an EOS). Flattened,
+   the padding also keeps the rows apart, so the next steps run on the flat buffer without per-row views.
+2. **One lookup per token.** A table over the vocabulary gives each token a small code: tokens of marker spellings
+   get codes 1..U (interchangeable tokens share one, `_tokens.reduce_alphabet`), EOS ids and the masked id U+1,
+   all others 0.
+3. **Markers and the valid region in one running sum.** At construction each marker (`#### `, `\\boxed{`,
+   `The answer is`) is turned into its token spellings in context (`_tokens.anchored_variants`: `\\boxed` is
+   `\\ boxed`, `$\\ boxed`, ` \\ boxed`, ...). The codes of the last `km + 1` tokens at a position form one
+   base-(U+2) integer (2 doubling adds for km = 3). It indexes a table of *steps*: `step - BIG * (the token is a
+   stop) + cv(last km tokens) - cv(the km tokens before)`, where cv is `OFF + class` where a marker ends and 0
+   elsewhere. One `cumsum` telescopes the steps to `position * step - BIG * (stops so far) + cv`: at least `OFF`
+   exactly where a marker ends before the first stop, and one `amax` finds the last such marker and its class.
+4. **Answer window.** The `W` tokens after the last marker are gathered (`W` = longest answer spelling + 3). Tokens
+   after the first stop need no masking: the stop (EOS or masked) is in no spelling and ends every number. Each
+   token's feature is `4 * alphabet code + number class` (one lookup): the answer alphabet holds the tokens that
+   occur in any cached spelling (code 1 = anything else), the number class says whether the token continues a
+   number (`_tokens.number_classes`). Prefix keys are one `cumsum` of `feature_j * key_j` with fixed random
+   43-bit `key_j` (no int64 overflow).
 5. **Gold spellings.** The first time a gold answer is seen, every accepted spelling of it after each marker
    (separator, prefix `$`/`\\$`/`**`, sign placement, thousands separators, `.0`/`.00`; `_answers.surface_forms`)
    is tokenized jointly with the marker text, so merges such as `{-` in `\\boxed{-12}`, ` -$` or `:$` come out as
@@ -23,8 +30,12 @@ which the list-valued dataset column forces).
 6. **Match.** `searchsorted` looks every prefix key up in the row's sorted keys; a hit at a prefix length where the
    next token does not continue the number (not a digit, not `.`/`,` + digit) scores 1.
 
-Keys make the lookup one `searchsorted`; two different spellings share a key with probability about 2^-44 per
-comparison (a window has < 64 prefixes, a row a few hundred spellings: ~1e-10 per completion).
+About 30 tensor ops per call (the ops run under `torch.inference_mode`; the returned tensor is an ordinary one).
+Keys make the lookup one `searchsorted`; two different spellings share a key with probability about 2^-43 per
+comparison (a window has < 64 prefixes, a row a few hundred spellings: ~3e-10 per completion).
+
+Small vocabularies that spell a marker in many tokens (the step table would be too large) locate the last marker
+with per-length sorted encodings and `searchsorted` instead of step 3; steps 4-6 are the same.
 
 Marker classes: spellings that stop at different places (`\\boxed` before a merged `{-`, `\\boxed{` before a
 digit) or belong to markers followed by different answer spellings get different classes; markers that behave alike
@@ -38,11 +49,11 @@ tokenizer would (a non-canonical tokenization of `42` is not matched).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ._answers import (
     DEFAULT_MARKERS,
@@ -68,7 +79,10 @@ __all__ = ["MathAnswerReward"]
 
 _MAX_WINDOW = 64  # longest answer spelling (in tokens) + 2
 _MAX_CODES = 2**12  # answer-alphabet codes
-_KEY_BITS = 44  # 2**12 * 2**44 * 64 terms < 2**63
+_KEY_BITS = 43  # window features < 4 * 2**12, keys < 2**43, at most 62 terms: sums < 2**63
+_POS_BITS = 24  # padded completion length < 2**24
+_OFF = 1 << _POS_BITS  # (shifted by the class bits) added at marker ends: markers outrank every other position
+_MAX_STEP_TABLE = 2**21  # entries of the (km + 1)-token step table; larger: the sorted-encodings path
 _SEED = 0x5EED_A115
 _NO_MARKER = -(2**30)
 _KEY_PAD = torch.iinfo(torch.int64).max  # table padding: larger than any key, equal to none
@@ -125,11 +139,12 @@ class MathAnswerReward(TensorReward):
         self._head_cache: dict[tuple[int, str], tuple[int, ...] | None] = {}
         self._body_cache: dict[str, tuple[int, ...]] = {}
         self._build_markers(tuple(left_contexts))
-        # Window token tables, per vocabulary id (+ the sentinel): the number class (see `number_classes`) and the
-        # answer-alphabet code: tokens that occur in some cached answer spelling get codes from 2 (1 = any other
-        # token, or "past the completion"); the alphabet grows as new gold answers bring new tokens.
-        self._number_class = torch.tensor(number_classes(tokenizer), dtype=torch.int8)
-        self._alphabet_code = torch.ones(self.vocab_size + 1, dtype=torch.int16)
+        # Window token features, per vocabulary id (+ the sentinel and the "masked" id): 4 * answer-alphabet code +
+        # number class (see `number_classes`). Tokens that occur in some cached answer spelling get alphabet codes
+        # from 2 (1 = any other token, or "past the completion"); the alphabet grows as new gold answers bring new
+        # tokens.
+        self._number_class = torch.tensor(number_classes(tokenizer) + [0], dtype=torch.int16)
+        self._feat = self._number_class + 4
         self._alphabet: dict[int, int] = {}
         self._keys = torch.randint(1, 2**_KEY_BITS, (_MAX_WINDOW,), generator=torch.Generator().manual_seed(_SEED))
         # Gold-answer cache: gold answer g, marker class c -> table row g * (C + 1) + c, holding the sorted keys of
@@ -138,6 +153,7 @@ class MathAnswerReward(TensorReward):
         self._index: dict[Hashable, int] = {}
         self._gold_rows: dict[str | None, int] = {None: 0}
         self._stride = self._n_classes + 1
+        self._class_mask = (1 << self._class_bits) - 1
         self._table = torch.full((64 * self._stride, 8), _KEY_PAD, dtype=torch.long)
         self._n_rows = 1
         self._max_len = 1
@@ -181,20 +197,19 @@ class MathAnswerReward(TensorReward):
         km = max(len(toks) for toks, _ in variants)
         if base**km >= 2**62:
             raise ValueError(f"marker spellings too long for exact matching ({base} codes, {km} tokens)")
-        use_table = base**km <= 2**22
+        use_table = base ** (km + 1) <= _MAX_STEP_TABLE
         code_dtype = torch.int32 if use_table else torch.int64
-        code = torch.zeros(self.vocab_size + 1, dtype=code_dtype)
+        code = torch.zeros(self.vocab_size + 2, dtype=code_dtype)  # + the sentinel (0) and the "masked" id (EOS)
         tokens = sorted(code_of)
         code[torch.tensor(tokens, dtype=torch.long)] = torch.tensor([code_of[t] for t in tokens], dtype=code_dtype)
-        eos = [e for e in self.eos_token_ids if e < self.vocab_size]
-        if eos:
-            code[torch.tensor(eos, dtype=torch.long)] = self._eos_code
+        eos = [e for e in self.eos_token_ids if e < self.vocab_size] + [self.sentinel + 1]
+        code[torch.tensor(eos, dtype=torch.long)] = self._eos_code
         self._code, self._base, self._km = code, base, km
         self._class_bits = self._n_classes.bit_length()
         self._marker_variants = variants
         encoded = [(len(toks), sum(code_of[toks[len(toks) - 1 - j]] * base**j for j in range(len(toks))), cls)
                    for toks, cls in variants]  # fmt: skip
-        self._class_lut, self._class_by_length = None, []
+        self._class_lut, self._class_by_length, self._step_lut = None, [], None
         if use_table:
             lut = torch.zeros(base**km, dtype=torch.long)
             longest = torch.zeros(base**km, dtype=torch.long)
@@ -206,6 +221,14 @@ class MathAnswerReward(TensorReward):
             # "No marker" is a large negative number: `(position << bits) + lut` is then positive exactly at marker
             # ends, and one `amax` finds the last marker and its class.
             self._class_lut = torch.where(lut == 0, _NO_MARKER, lut).to(torch.int32)
+            # Step table over the codes of the last km + 1 tokens (see `_last_marker`): the running sum of
+            # `step - BIG * stop + cv(last km tokens) - cv(the km tokens before)` telescopes to the position, the
+            # stop count and the marker value cv (OFF + class at a marker end, else 0) at each position.
+            off = _OFF << self._class_bits
+            cv = torch.where(lut == 0, 0, off + lut)
+            r = torch.arange(base ** (km + 1))
+            stop = (r % base == self._eos_code).long()
+            self._step_lut = (1 << self._class_bits) - 4 * off * stop + cv[r % base**km] - cv[r // base]
         else:
             for length in sorted({k for k, _, _ in encoded}):  # ascending: a longer spelling overrides a shorter
                 table = dict(sorted((enc, cls) for k, enc, cls in encoded if k == length))
@@ -308,7 +331,8 @@ class MathAnswerReward(TensorReward):
         flat = [t for tails in per_row for t in tails]
         keys = self._hash_many(flat) if flat else torch.zeros(0, dtype=torch.long)
         first = self._n_rows * self._stride
-        need_rows, need_width = first + len(per_row), max([len(t) for t in per_row] + [1])
+        # Every row keeps at least one padding key at its end (`searchsorted` then never runs past it).
+        need_rows, need_width = first + len(per_row), max([len(t) for t in per_row] + [0]) + 1
         cap, width = self._table.shape
         if need_rows > cap or need_width > width:
             while cap < need_rows:
@@ -328,8 +352,9 @@ class MathAnswerReward(TensorReward):
             self._n_rows += 1
 
     def _hash_many(self, tails: Sequence[tuple[int, ...]]) -> torch.Tensor:
-        """Keys of token sequences: sum_j code(token_j) * key_j, with the answer-alphabet codes (new tokens are
-        added to the alphabet). Codes < 2**12, keys < 2**_KEY_BITS and at most 64 terms: no int64 overflow."""
+        """Keys of token sequences: sum_j feature(token_j) * key_j, with the window features (4 * answer-alphabet
+        code + number class; new tokens are added to the alphabet). Features < 2**14, keys < 2**_KEY_BITS and at
+        most 62 terms: no int64 overflow."""
         alphabet = self._alphabet
         new = sorted({t for tail in tails for t in tail} - alphabet.keys())
         if new:
@@ -338,10 +363,12 @@ class MathAnswerReward(TensorReward):
             for t in new:
                 alphabet[t] = len(alphabet) + 2
             ids = torch.tensor(new, dtype=torch.long)
-            self._alphabet_code[ids] = torch.tensor([alphabet[t] for t in new], dtype=torch.int16)
+            codes = torch.tensor([alphabet[t] for t in new], dtype=torch.int16)
+            self._feat[ids] = 4 * codes + self._number_class[ids]
             self._version += 1
-        codes, _ = pad_completion_ids([[alphabet[t] for t in tail] for tail in tails], pad_id=0)
-        return (codes * self._keys[: codes.shape[1]]).sum(-1)
+        ids, mask = pad_completion_ids(tails, pad_id=0)
+        feats = self._feat[ids].long() * mask
+        return (feats * self._keys[: feats.shape[1]]).sum(-1)
 
     @staticmethod
     def _key(answer: Any) -> Hashable:
@@ -385,80 +412,135 @@ class MathAnswerReward(TensorReward):
         batch, length = completion_ids.shape
         if len(answers) != batch:
             raise ValueError(f"{self.__name__}: {len(answers)} answers for {batch} completions")
-        rows = self._rows(answers)
+        rows = self._rows(answers)  # may grow the tables: outside inference mode
         device = completion_ids.device
         st = self._state(device)
-        first_row = to_device(torch.tensor(rows, dtype=torch.long), device)
+        first_row = to_device(torch.frombuffer(array("q", rows), dtype=torch.long), device).view(batch, 1)
         if length == 0:
             out = torch.zeros(batch, dtype=torch.float32, device=device)
-            return torch.where(first_row == 0, torch.nan, out) if 0 in rows else out
-        window = self._max_len + 2
-        pos_shifted, arange_w, keys_w = st.constants(length, window)
-        km, base, sentinel = self._km, self._base, self.sentinel
-
-        # 1. Codes and the valid region (before the first EOS, inside the mask).
-        ids = completion_ids.clamp(0, sentinel)
-        code = st.code.index_select(0, ids.view(-1)).view(batch, length)
-        stop = code == self._eos_code
-        stop |= ~completion_mask if completion_mask.dtype == torch.bool else completion_mask == 0
-        valid = stop.cumsum(1) == 0
-        n_valid = valid.sum(1, keepdim=True)
-
-        # 2. Marker class ending at each position, from the codes of the last km tokens (codes outside the
-        #    completion are zeroed, and every marker token has a non-zero code, so no marker ends there).
-        code = code * valid
-        if km > 1:
-            padded = F.pad(code, (km - 1, 0))
-            code = padded[:, km - 1 :]
-            for j in range(1, km):
-                code = torch.add(code, padded[:, km - 1 - j : km - 1 - j + length], alpha=base**j)
-        if st.class_lut is not None:
-            classes = st.class_lut.index_select(0, code.reshape(-1)).view(batch, length)
         else:
-            classes = torch.full_like(code, _NO_MARKER)
-            for k, encs, cls in st.class_by_length:
-                suffix = code % base**k if k < km else code  # codes of the last k tokens
-                at = torch.searchsorted(encs, suffix).clamp_(max=encs.numel() - 1)
-                classes = torch.where(encs[at] == suffix, cls[at], classes)
-        # The last marker: max over positions of (1-based position << bits) + class; negative: no marker.
-        packed = (pos_shifted + classes).amax(1, keepdim=True).clamp_(min=0)
-        last, cls = packed >> self._class_bits, packed & ((1 << self._class_bits) - 1)
+            with torch.inference_mode():  # fewer dispatch steps per op; only the float result leaves the block
+                hit = self._match(st, completion_ids, completion_mask, first_row, batch, length)
+            out = hit.to(torch.float32)
+        if 0 in rows:  # rows without a gold answer: "does not apply" (TRL semantics)
+            return torch.where(first_row.view(-1) == 0, torch.nan, out)
+        return out
 
-        # 3. The window after it: answer-alphabet codes -> prefix keys; number classes -> where a prefix may end.
-        pos = last + arange_w  # (B, W + 1), 0-based positions after the marker
-        win = torch.where(pos < n_valid, ids.gather(1, pos.clamp(max=length - 1)), sentinel)
-        flat_win = win.view(-1)
-        keys = (st.alphabet_code.index_select(0, flat_win).view(batch, window + 1)[:, :-2] * keys_w).cumsum(1)
-        num = st.number_class.index_select(0, flat_win).view(batch, window + 1)
+    def _match(
+        self, st: _DeviceState, ids: torch.Tensor, mask: torch.Tensor, first_row: torch.Tensor, batch: int, length: int
+    ) -> torch.Tensor:
+        wn = self._max_len + 3  # window tokens: answer spellings of up to max_len tokens + 2 for the boundary
+        ws = st.workspace(self, batch, length, wn)
+
+        # 1. Padded ids (reused buffer): km sentinels, the ids (out-of-range ids read as the sentinel; positions
+        #    outside the mask as the "masked" id, which acts as an EOS), wn sentinels (the window may run past the
+        #    end). Flattened, the padding also separates the rows.
+        torch.clamp(ids if ids.dtype == torch.long else ids.long(), 0, self.sentinel, out=ws.mid)
+        torch.where(mask if mask.dtype == torch.bool else mask.bool(), ws.mid, st.masked_id, out=ws.mid)
+
+        # 2. The last marker before the first stop, packed as `OFF + ((p + 1) << bits) + class` (p: its last
+        #    token's padded position); `OFF` (class 0) when there is none.
+        best = self._last_marker(st, ws)
+
+        # 3. The window after it. Tokens after the first stop need no masking: the stop itself (EOS or "masked")
+        #    is in no answer spelling and ends every number.
+        feat = st.feat.index_select(0, ws.padded.gather(1, (best >> self._class_bits) + ws.window_offsets).view(-1))
+        feat = feat.view(batch, wn)  # 4 * answer-alphabet code + number class, per window token
+        keys = torch.mul(feat[:, :-2], ws.keys).cumsum_(1)  # prefix keys, lengths 1 .. wn - 2
+        num = feat & 3
         ends = torch.add(num[:, 2:], num[:, 1:-1], alpha=4) < 7  # the token after the prefix does not continue it
 
-        # 4. Look each prefix key up in the sorted keys of (row's gold answer, marker class).
-        table = st.table.index_select(0, first_row + cls.view(-1))  # (B, V)
-        at = torch.searchsorted(table, keys).clamp_(max=table.shape[1] - 1)
-        out = ((table.gather(1, at) == keys) & ends).any(1).to(torch.float32)
-        if 0 in rows:  # rows without a gold answer: "does not apply" (TRL semantics)
-            out = torch.where(first_row == 0, torch.nan, out)
-        return out
+        # 4. Look each prefix key up in the sorted keys of (row's gold answer, marker class); every table row ends
+        #    in padding larger than any key, so `searchsorted` stays in range.
+        table = st.table.index_select(0, (first_row + (best & self._class_mask)).view(-1))  # (B, V)
+        found = table.gather(1, torch.searchsorted(table, keys))
+        return ((found == keys) & ends).any(1)
+
+    def _last_marker(self, st: _DeviceState, ws: _Workspace) -> torch.Tensor:
+        off = _OFF << self._class_bits
+        if st.step_lut is not None:
+            # Codes of every token, then of the last km + 1 tokens at each position (one base-(U+2) integer, in
+            # place over the flattened buffer: the km sentinels before a row keep the rows apart). They index a
+            # table of steps `step - BIG * (token is a stop) + cv(last km tokens) - cv(the km tokens before)`,
+            # where cv is OFF + class at a marker end and 0 elsewhere: the running sum telescopes to
+            # `(p + 1) * step - BIG * (stops up to p) + cv(p)`, at least OFF exactly at a marker end before the first
+            # stop, below OFF at other positions before it, negative from the first stop on.
+            torch.index_select(st.code, 0, ws.flat, out=ws.code)
+            for out, a, b, alpha in ws.rolling:
+                torch.add(a, b, alpha=alpha, out=out)
+            torch.index_select(st.step_lut, 0, ws.rolled, out=ws.steps)
+            return ws.running.cumsum_(1).amax(1, keepdim=True).clamp_(min=off)
+        # Sorted encodings (long marker spellings): codes zeroed from the first stop on, then per spelling length.
+        km, base, o = self._km, self._base, self._km
+        batch, width = ws.padded.shape
+        code = st.code.index_select(0, ws.flat).view(batch, width)
+        code = code * ((code == self._eos_code).cumsum(1) == 0)
+        rolled = code[:, o:]
+        for j in range(1, km):
+            rolled = torch.add(rolled, code[:, o - j : width - j], alpha=base**j)
+        classes = torch.zeros_like(rolled)
+        for k, encs, cls in st.class_by_length:  # ascending k: a longer spelling overrides a shorter one
+            suffix = rolled % base**k if k < km else rolled  # codes of the last k tokens
+            at = torch.searchsorted(encs, suffix).clamp_(max=encs.numel() - 1)
+            classes = torch.where(encs[at] == suffix, cls[at], classes)
+        packed = torch.where(classes > 0, ws.positions[o:] + classes, 0)
+        return packed.amax(1, keepdim=True).clamp_(min=off)
+
+
+class _Workspace:
+    """Buffers and views of one batch shape on one device, reused from call to call: `score` overwrites them, and
+    nothing outside a call keeps a reference to them (so one reward object must not score from several threads at
+    once)."""
+
+    def __init__(self, reward: MathAnswerReward, st: _DeviceState, batch: int, length: int, window: int):
+        device, o, shift = st.device, reward._km, reward._class_bits
+        width = o + length + window
+        if width >= 1 << _POS_BITS:
+            raise ValueError(f"completions of {length} tokens are too long for MathAnswerReward")
+        self.padded = torch.full((batch, width), reward.sentinel, dtype=torch.long, device=device)
+        self.flat, self.mid = self.padded.view(-1), self.padded[:, o : o + length]
+        # window start = (best >> bits) - OFF
+        self.window_offsets = torch.arange(window, dtype=torch.long, device=device) - _OFF
+        self.keys = st.keys[: window - 2]
+        self.positions = (_OFF << shift) + (torch.arange(1, width + 1, dtype=torch.long, device=device) << shift)
+        if st.step_lut is None:
+            return
+        # Rolling code over km + 1 tokens, by doubling where it can: (out, a, b, alpha) with out = a + alpha * b.
+        # Entries that no step writes stay 0 (they only cover the first row's padding).
+        n, digits, base = batch * width, reward._km + 1, reward._base
+        self.code = torch.zeros(n, dtype=torch.int32, device=device)
+        self.rolling: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        acc, w = self.code, 1
+        while 2 * w <= digits:
+            out = torch.zeros(n, dtype=torch.int32, device=device)
+            self.rolling.append((out[w:], acc[w:], acc[:-w], base**w))
+            acc, w = out, 2 * w
+        for j in range(w, digits):  # one more digit (acc covers the j tokens ending at each position)
+            out = torch.zeros(n, dtype=torch.int32, device=device)
+            self.rolling.append((out[j:], acc[j:], self.code[:-j], base**j))
+            acc = out
+        self.rolled = acc
+        self.steps = torch.empty(n, dtype=torch.long, device=device)
+        self.running = self.steps.view(batch, width)
 
 
 class _DeviceState:
-    """Tensors of one `MathAnswerReward` on one device, and per-shape constants."""
+    """Tensors of one `MathAnswerReward` on one device, and per-shape workspaces."""
 
     def __init__(self, reward: MathAnswerReward, device: torch.device):
         self.device = device
         self.code = to_device(reward._code, device)
-        self.class_lut = None if reward._class_lut is None else to_device(reward._class_lut, device)
+        self.step_lut = None if reward._step_lut is None else to_device(reward._step_lut, device)
         self.class_by_length = [(k, to_device(e, device), to_device(c, device)) for k, e, c in reward._class_by_length]
-        self.number_class = to_device(reward._number_class, device)
+        self.keys = to_device(reward._keys, device)
+        self.masked_id = torch.tensor(reward.sentinel + 1, dtype=torch.long, device=device)
         self.version, self.rows = -1, 0
-        self._constants: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self._keys = to_device(reward._keys, device)
-        self._shift = reward._class_bits
+        self._workspaces: dict[tuple[int, int, int], _Workspace] = {}
         self.sync(reward)
 
     def sync(self, reward: MathAnswerReward) -> None:
         # On the host's own device these are the reward's tensors themselves (appended rows show up directly).
-        self.alphabet_code = to_device(reward._alphabet_code, self.device)
+        self.feat = to_device(reward._feat, self.device)
         self.table = to_device(reward._table, self.device)
         self.version, self.rows = reward._version, reward._n_rows
 
@@ -468,12 +550,11 @@ class _DeviceState:
             self.table[lo:hi] = to_device(reward._table[lo:hi], self.device)
         self.rows = reward._n_rows
 
-    def constants(self, length: int, window: int) -> tuple[torch.Tensor, ...]:
-        consts = self._constants.get((length, window))
-        if consts is None:
-            if (length + 1) << self._shift >= 2**30:
-                raise ValueError(f"completions of {length} tokens are too long for MathAnswerReward")
-            pos_shifted = to_device(torch.arange(1, length + 1, dtype=torch.int32) << self._shift, self.device)
-            arange_w = to_device(torch.arange(window + 1, dtype=torch.long), self.device)
-            consts = self._constants[(length, window)] = (pos_shifted, arange_w, self._keys[: window - 1])
-        return consts
+    def workspace(self, reward: MathAnswerReward, batch: int, length: int, window: int) -> _Workspace:
+        key = (batch, length, window)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            if len(self._workspaces) >= 4:  # completion lengths vary from step to step: keep only a few
+                self._workspaces.clear()
+            ws = self._workspaces[key] = _Workspace(reward, self, batch, length, window)
+        return ws

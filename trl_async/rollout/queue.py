@@ -5,6 +5,9 @@ Every item carries the policy version of the weights that generated it. Two rule
 * **Gate** (producer side). Item n will last be used at version `last_use_version(n)`. Before generating it, the
   producer waits until weights of at least version `last_use_version(n) - max_staleness` are published, so in steady
   state nothing it makes is too old when consumed, and nothing is wasted.
+* If the consumer is already waiting for item n at an earlier version than the schedule predicted (for example
+  after an eviction), the gate follows the consumer's real version instead: a wrong prediction can cost slack,
+  never a deadlock.
 * **Evict** (consumer side). When an item is dequeued, its staleness is measured against the version at which the
   consumer will actually use it. An item older than `max_staleness` is dropped and counted. This is the hard
   guarantee: it holds even if the gate's schedule was wrong (a resumed run, a consumer that skipped ahead).
