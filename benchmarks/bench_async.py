@@ -178,7 +178,7 @@ def summarize(run: dict, warmup_steps: int) -> dict:
     ends = run["step_end"]
     steady_s = ends[-1] - ends[warmup_steps - 1]
     steady_steps = len(ends) - warmup_steps
-    steady_wall = sum(b - a for a, b in zip(ends[warmup_steps - 1 : -1], ends[warmup_steps:]))
+    steady_wall = sum(b - a for a, b in zip(ends[warmup_steps - 1 : -1], ends[warmup_steps:], strict=True))
     trainer_wait = sum(run["trainer_wait_s"][warmup_steps:])
     generator_wait = sum(run["generator_wait_s"][warmup_steps:])
     quarter = max(1, len(run["reward"]) // 4)
@@ -246,7 +246,9 @@ def main():
         for name in names:
             summaries = [r["summary"] for r in runs[name]]
             table[name] = {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
-            table[name]["reward_mean"], table[name]["reward_se"] = mean_se([s["last_quarter_reward"] for s in summaries])
+            table[name]["reward_mean"], table[name]["reward_se"] = mean_se(
+                [s["last_quarter_reward"] for s in summaries]
+            )
         sync = table["trl"]["rows_per_s"] if "trl" in table else None
         sync_step_s = 32 / sync if sync else None
         g, t = probe["generate_s"], probe["train_s"]

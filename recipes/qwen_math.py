@@ -112,11 +112,10 @@ def reward_summary(log_history: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None):
+    import torch
     from trl import GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-
-    import torch
 
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Several processes without GPUs: accelerate's multi-process mode on CPU (gloo) needs its CPU flag.

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -23,7 +22,9 @@ OUR_EXTRA_KEYS = {"sampling_per_token_logps", "rollout_versions"}
 
 def answer_reward(completions, answer, **kwargs):
     """A text reward as TRL's docs write them: 1.0 when the text after '####' is the answer."""
-    return [float(c[0]["content"].rsplit("####", 1)[-1].strip() == a) for c, a in zip(completions, answer)]
+    return [
+        float(c[0]["content"].rsplit("####", 1)[-1].strip() == a) for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def length_reward(completions, **kwargs):
@@ -137,7 +138,11 @@ def test_on_policy_batch_and_loss_equal_trl_sync(tmp_path, dataset, tokenizer):
     )
     sync_args = make_args(tmp_path, config_cls=GRPOConfig, temperature=0.7, max_steps=1)
     theirs = GRPOTrainer(
-        model=load_model(), reward_funcs=answer_reward, args=sync_args, train_dataset=dataset, processing_class=tokenizer
+        model=load_model(),
+        reward_funcs=answer_reward,
+        args=sync_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
     )
     inputs = next(iter(ours.get_train_dataloader()))
     ours.model.train()
@@ -147,7 +152,7 @@ def test_on_policy_batch_and_loss_equal_trl_sync(tmp_path, dataset, tokenizer):
         rows = batch["completion_ids"], batch["completion_mask"]
         # Give TRL's synchronous path the same completions (sampling is random; the rows must be the same).
         theirs._generate_single_turn = lambda *a, **k: (
-            [ids[m.bool()].tolist() for ids, m in zip(*rows)],
+            [ids[m.bool()].tolist() for ids, m in zip(*rows, strict=True)],
             None,
         )
         reference = theirs._generate_and_score_completions(inputs)

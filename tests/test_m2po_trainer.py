@@ -66,8 +66,15 @@ def test_m2po_rejects_features_it_does_not_implement(tmp_path, tokenizer, datase
         AsyncGRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
             reward_funcs=MathAnswerReward(tokenizer),
-            args=AsyncGRPOConfig(output_dir=str(tmp_path), loss_type="m2po", off_policy_mask_threshold=0.5,
-                                 per_device_train_batch_size=8, num_generations=4, bf16=False, report_to="none"),  # fmt: skip
+            args=AsyncGRPOConfig(
+                output_dir=str(tmp_path),
+                loss_type="m2po",
+                off_policy_mask_threshold=0.5,
+                per_device_train_batch_size=8,
+                num_generations=4,
+                bf16=False,
+                report_to="none",
+            ),  # fmt: skip
             train_dataset=dataset,
             processing_class=tokenizer,
         )

@@ -83,7 +83,7 @@ def test_invalid_arguments_are_rejected():
 def _gated_producer(q, num_items, generate_s):
     """A generator-like producer: waits at the gate, 'generates' with the newest published weights, enqueues."""
     for _ in range(num_items):
-        index, min_version = q.reserve(timeout=30)
+        index, min_version = q.reserve(timeout=120)
         version = q.published_version()
         assert version >= min_version
         time.sleep(generate_s)
@@ -107,7 +107,7 @@ def test_concurrent_processes_never_exceed_bound_and_waste_nothing(max_staleness
     try:
         seen = []
         for step in range(num_items):
-            item = q.get(last_use_version=step, timeout=30)
+            item = q.get(last_use_version=step, timeout=120)
             assert item.staleness <= max_staleness
             seen.append(item.payload)
             time.sleep(0.02)  # 'train'

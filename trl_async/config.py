@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .rollout.queue import last_use_version
+
 GENERATION_BACKENDS = ("hf",)
 # Backends designed for but not built yet: named here so the error says so instead of "unknown".
 PLANNED_GENERATION_BACKENDS = ("vllm",)
@@ -158,9 +160,7 @@ def validate_async_fields(args) -> None:
         f"weight_sync_steps must be an integer >= 1, got {args.weight_sync_steps!r}.",
     )
     if args.generation_backend in PLANNED_GENERATION_BACKENDS:
-        raise ValueError(
-            f"generation_backend={args.generation_backend!r} is not available in this release; use 'hf'."
-        )
+        raise ValueError(f"generation_backend={args.generation_backend!r} is not available in this release; use 'hf'.")
     _check(
         args.generation_backend in GENERATION_BACKENDS,
         f"generation_backend={args.generation_backend!r} is unknown. Use one of {list(GENERATION_BACKENDS)}.",
@@ -216,7 +216,7 @@ def first_and_last_use(index: int, args, base_version: int = 0) -> tuple[int, in
     every `gradient_accumulation_steps` micro-steps, so batch n is used at micro-steps [n g, n g + g - 1].
     """
     g, a = micro_steps_per_generation(args), args.gradient_accumulation_steps
-    return base_version + (index * g) // a, base_version + (index * g + g - 1) // a
+    return base_version + (index * g) // a, last_use_version(index, g, a, base_version)
 
 
 def usage_span(args) -> int:

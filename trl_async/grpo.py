@@ -30,7 +30,6 @@ from trl import GRPOTrainer
 from .config import (
     derived_queue_capacity,
     ensure_async_fields,
-    first_and_last_use,
     micro_steps_per_generation,
 )
 from .importance import fold_into_advantages, truncated_importance_weights
@@ -121,7 +120,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             self.train_dataset, "__getitem__"
         ):
             reasons.append("an iterable train_dataset (the generator needs to index prompts)")
-        for func, name in zip(self.reward_funcs, self.reward_func_names):
+        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
             if isinstance(func, torch.nn.Module):
                 reasons.append(f"reward model {name!r} (only callables run in the generation process)")
         if reasons:
@@ -414,7 +413,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         keys = ("masked_fraction", "m2_before", "m2_after")
         values = gather(torch.stack([stats[k].float() for k in keys] + [stats["all_masked"].float()]).unsqueeze(0))
         values = values.view(-1, len(keys) + 1).mean(dim=0).tolist()
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             metrics[f"m2po/{key}"].append(value)
         if values[-1] > 0:
             metrics["m2po/all_masked_batches"].append(values[-1])

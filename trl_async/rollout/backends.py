@@ -31,7 +31,9 @@ class GenerationOutput:
     def to_lists(self) -> tuple[list[list[int]], list[list[float]]]:
         lengths = self.completion_mask.sum(dim=1).tolist()
         ids, logps = self.completion_ids.tolist(), self.logprobs.tolist()
-        return [row[:n] for row, n in zip(ids, lengths)], [row[:n] for row, n in zip(logps, lengths)]
+        return [row[:n] for row, n in zip(ids, lengths, strict=True)], [
+            row[:n] for row, n in zip(logps, lengths, strict=True)
+        ]
 
 
 @dataclasses.dataclass

@@ -174,14 +174,7 @@ class RolloutWorker:
             generated = self.backend.generate(prompt_ids)
             completion_ids, logprobs = generated.to_lists()
             t1 = time.perf_counter()
-            decoded: list | None = None
-
-            def decode():
-                nonlocal decoded
-                if decoded is None:
-                    decoded = self._decode(completion_ids, conversational)
-                return decoded
-
+            decode = _DecodeOnce(self._decode, completion_ids, conversational)
             for key in ("completion", "completion_ids"):
                 columns.pop(key, None)
             rewards_per_func = score_completions(
@@ -203,7 +196,7 @@ class RolloutWorker:
                 "completion_ids": completion_ids,
                 "logprobs": logprobs,
                 "rewards_per_func": rewards_per_func.detach().float().cpu(),
-                "completions": decoded,
+                "completions": decode.result,
                 "generate_s": t1 - t0,
                 "reward_s": t2 - t1,
             }
@@ -214,6 +207,18 @@ class RolloutWorker:
         self.control.beat()
         if self.control.stop.is_set():
             raise QueueClosed("stop requested")
+
+
+class _DecodeOnce:
+    """Decodes a batch on first call only; text rewards share the result, tensor rewards never trigger it."""
+
+    def __init__(self, decode, completion_ids, conversational):
+        self._decode, self._args, self.result = decode, (completion_ids, conversational), None
+
+    def __call__(self):
+        if self.result is None:
+            self.result = self._decode(*self._args)
+        return self.result
 
 
 def _ignore(*args, **kwargs) -> None:
