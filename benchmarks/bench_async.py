@@ -9,8 +9,7 @@ it (OMP_NUM_THREADS is removed from the environment of the runs). Contenders, in
 machine noise hits all alike:
 
 * `trl`: TRL's GRPOTrainer (synchronous: generate, then train), the baseline every ratio is taken against;
-* `trl-defaults`: the same left at TRL's defaults (see CONTENDERS: no KV cache in generation, gradient
-  checkpointing), for reference only;
+* `trl-defaults`: the same left at TRL's defaults (gradient checkpointing on), for reference only;
 * `async-S{1,2,4}`: AsyncGRPOTrainer, loss_type dapo (TRL's default) with truncated IS correction;
 * `async-S2-m2po`: AsyncGRPOTrainer with loss_type m2po.
 
@@ -38,10 +37,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
-# Every contender runs the same configuration: gradient checkpointing off (a 1M-parameter model needs none) and
-# `use_cache=True`, so TRL's in-process generation keeps its KV cache like our generator does. `trl-defaults` is
-# TRL left exactly at its defaults, for reference: transformers' Trainer then sets `model.config.use_cache =
-# args.use_cache` (False) and TRL generates without a KV cache, and gradient checkpointing recomputes the forward.
+# Every contender runs the same configuration: gradient checkpointing off (a 1M-parameter model needs none; TRL turns
+# it on by default, which recomputes the forward pass in backward) and `use_cache=True`. `trl-defaults` is TRL left
+# exactly at its defaults, for reference only.
 TUNED = {"use_cache": True, "gradient_checkpointing": False}
 CONTENDERS = {
     "trl-defaults": {"trainer": "trl", "loss_type": "dapo", "use_cache": False, "gradient_checkpointing": True},
@@ -212,7 +210,10 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, 64 tokens only")
     parser.add_argument("--tag", default="", help="suffix of the output files")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a results file")
     args = parser.parse_args()
+    if args.replot:
+        return replot(args.replot)
     if args.worker or args.probe:
         result = run_worker(json.loads(args.worker)) if args.worker else run_probe(json.loads(args.probe))
         with open(args.out, "w") as f:
@@ -273,7 +274,8 @@ def main():
     print(f"\nwrote {path}")
 
 
-def plot(runs: dict, length: int, tag: str) -> None:
+def plot(runs: dict, length: int, tag: str, window: int = 10) -> None:
+    """Reward against wall-clock time: per contender, a rolling mean over `window` steps, averaged over repeats."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,15 +283,24 @@ def plot(runs: dict, length: int, tag: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for index, (name, rs) in enumerate(runs.items()):
-        for k, run in enumerate(rs):
-            ax.plot(run["step_end"], run["reward"], color=f"C{index}", alpha=0.8, label=name if k == 0 else None)
-    ax.set_xlabel("wall-clock seconds")
-    ax.set_ylabel("mean reward (per step)")
+        steps = min(len(run["reward"]) for run in rs)
+        times = [statistics.mean(run["step_end"][k] for run in rs) for k in range(steps)]
+        rewards = [statistics.mean(run["reward"][k] for run in rs) for k in range(steps)]
+        smooth = [statistics.mean(rewards[max(0, k - window + 1) : k + 1]) for k in range(steps)]
+        ax.plot(times, smooth, color=f"C{index}", label=name)
+    ax.set_xlabel("wall-clock seconds (mean over repeats)")
+    ax.set_ylabel(f"reward, rolling mean of {window} steps")
     ax.set_title(f"Tiny model, 2 CPU cores, {length}-token completions")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, f"bench_async_reward_vs_time_{length}{tag}.png"), dpi=110)
     plt.close(fig)
+
+
+def replot(path: str) -> None:
+    report = json.load(open(path))
+    for length, entry in report["lengths"].items():
+        plot(entry["runs"], int(length), "")
 
 
 if __name__ == "__main__":

@@ -413,7 +413,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         keys = ("masked_fraction", "m2_before", "m2_after")
         values = gather(torch.stack([stats[k].float() for k in keys] + [stats["all_masked"].float()]).unsqueeze(0))
         values = values.view(-1, len(keys) + 1).mean(dim=0).tolist()
-        for key, value in zip(keys, values, strict=True):
+        for key, value in zip(keys, values[: len(keys)], strict=True):
             metrics[f"m2po/{key}"].append(value)
         if values[-1] > 0:
             metrics["m2po/all_masked_batches"].append(values[-1])
