@@ -137,7 +137,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         args = self.args
         device = args.generation_device or str(self.accelerator.device)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
-        cores = max(1, len(os.sched_getaffinity(0)) // max(1, local_world))
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = max(1, available // max(1, local_world))
         threads = args.generation_num_threads
         on_cpu = torch.device(device).type == "cpu"
         omp_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
