@@ -101,8 +101,10 @@ def test_concurrent_processes_never_exceed_bound_and_waste_nothing(max_staleness
     ctx = torch_mp.get_context("spawn")
     q = StalenessBoundedQueue(max_staleness=max_staleness, mp_context=ctx)
     q.publish(0)
-    num_items = 12
-    producer = ctx.Process(target=_gated_producer, args=(q, num_items, 0.01), daemon=True)
+    # Many items and a producer that never sleeps: it polls the gate while the consumer is between taking an item
+    # and publishing the next version, the window in which a stale gate once let it generate with old weights.
+    num_items = 40
+    producer = ctx.Process(target=_gated_producer, args=(q, num_items, 0.0), daemon=True)
     producer.start()
     try:
         seen = []
@@ -110,7 +112,7 @@ def test_concurrent_processes_never_exceed_bound_and_waste_nothing(max_staleness
             item = q.get(last_use_version=step, timeout=120)
             assert item.staleness <= max_staleness
             seen.append(item.payload)
-            time.sleep(0.02)  # 'train'
+            time.sleep(0.005)  # 'train'
             q.publish(step + 1)  # optimizer step done, weights published
         producer.join(10)
         assert producer.exitcode == 0

@@ -199,11 +199,14 @@ class StalenessBoundedQueue:
                 staleness = last_use_version - item.version
                 with self._cond:
                     self._consumed.value += 1
-                    self._waiting_index.value = self._consumed.value
                     if staleness > self.max_staleness:
                         self._evicted_items.value += 1
                         self._evicted_rows.value += item.num_rows
+                        # Still waiting, now for the next item, at the same version.
+                        self._waiting_index.value = self._consumed.value
                     else:
+                        # Not waiting any more: a stale `_waiting_last_use` must not lower the gate for the next item.
+                        self._waiting_index.value = -1
                         self._used_items.value += 1
                         self._used_rows.value += item.num_rows
                         self._staleness_row_sum.value += max(staleness, 0) * item.num_rows
