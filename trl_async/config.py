@@ -224,10 +224,3 @@ def usage_span(args) -> int:
     return max(
         last - first for first, last in (first_and_last_use(n, args) for n in range(args.gradient_accumulation_steps))
     )
-
-
-def derived_queue_capacity(args) -> int:
-    if args.queue_capacity is not None:
-        return args.queue_capacity
-    g, a = micro_steps_per_generation(args), args.gradient_accumulation_steps
-    return max(1, -(-(args.max_staleness + 1) * a // g))

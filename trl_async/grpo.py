@@ -28,7 +28,6 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .config import (
-    derived_queue_capacity,
     ensure_async_fields,
     micro_steps_per_generation,
 )
@@ -172,7 +171,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         trainable_store.publish(trainable, version)
         rollout_queue = StalenessBoundedQueue(
             max_staleness=args.max_staleness,
-            capacity=derived_queue_capacity(args),
+            capacity=args.queue_capacity,  # None: the queue derives it from the staleness bound and the schedule
             micro_steps_per_item=micro_steps_per_generation(args),
             micro_steps_per_version=args.gradient_accumulation_steps,
             base_version=version,

@@ -53,7 +53,9 @@ class StalenessBoundedQueue:
 
     Args:
         max_staleness: largest allowed (use version - generating version).
-        capacity: most items reserved by the producer and not yet consumed (queued or being generated).
+        capacity: most items reserved by the producer and not yet consumed (queued or being generated). Default:
+            every item the staleness bound can admit, ceil((max_staleness + 1) * micro_steps_per_version /
+            micro_steps_per_item).
         micro_steps_per_item, micro_steps_per_version, base_version: the consumer's schedule, used by the gate to
             predict the version at which each item will be used (see `last_use_version`).
         mp_context: a multiprocessing context or its name; items pickled across it must be picklable there.
