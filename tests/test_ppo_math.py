@@ -550,3 +550,31 @@ def test_explained_variance_edge_cases():
     assert math.isnan(explained_variance(torch.tensor([[0.0, 1.0, 3.0, 0.0]]), torch.full((1, 4), 2.0), mask).item())
     assert math.isnan(explained_variance(torch.zeros(1, 4), returns, torch.tensor([[1, 0, 0, 0]])).item())
     assert math.isnan(explained_variance(torch.zeros(1, 4), returns, torch.zeros(1, 4)).item())
+
+
+# ------------------------------------------------------------------------------------------- no host sync
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_no_function_reads_tensor_data_on_the_host(mode):
+    # Meta tensors hold no data: any .item(), bool(tensor) or data-dependent Python branch raises. Running every
+    # function (and the backward pass) on them shows that none of them syncs a GPU with the host.
+    B, T = 3, 5
+
+    def empty():
+        return torch.empty(B, T, device="meta")
+
+    mask = torch.empty(B, T, dtype=torch.bool, device="meta")
+    kl_shaped_rewards(torch.empty(B, device="meta"), empty(), empty(), mask, 0.05, kl_estimator="k3")
+    gae(empty(), empty(), mask, 1.0, 0.95)
+    masked_whiten(empty(), mask, shift_mean=False)
+    explained_variance(empty(), empty(), mask)
+    values, logps = empty().requires_grad_(True), empty().requires_grad_(True)
+    critic = value_loss(values, empty(), empty(), mask, 0.2)
+    policy = ppo_policy_loss(
+        logps, empty(), empty(), mask, 0.2, behaviour_logps=empty(), importance_sampling_mode=mode
+    )
+    (policy.loss + 0.1 * critic.loss).backward()
+    assert logps.grad.shape == (B, T) and values.grad.shape == (B, T)
+    with pytest.raises(RuntimeError):  # the premise: reading a meta tensor's data fails
+        policy.loss.item()
