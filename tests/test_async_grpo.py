@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import pytest
 import torch
+from trainer_utils import WeightTracingTrainer
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -73,26 +75,6 @@ def pid_is_gone(pid: int) -> bool:
         return f.read().split()[2] == "Z"
 
 
-class InstrumentedTrainer(AsyncGRPOTrainer):
-    """Records, for every batch that enters a loss, the staleness of its rows and whether the generator's
-    behaviour log-probs equal the trainer's own log-probs of the same tokens."""
-
-    def _compute_loss(self, model, inputs):
-        staleness = self.state.global_step - inputs["rollout_versions"]
-        self.recorded_staleness = getattr(self, "recorded_staleness", []) + staleness.tolist()
-        with torch.no_grad():
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                model,
-                torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-                inputs["completion_ids"].size(1),
-            )
-        mask = inputs["completion_mask"].bool()
-        gap = (logps - inputs["sampling_per_token_logps"]).abs()[mask].max().item()
-        self.recorded_logp_gaps = getattr(self, "recorded_logp_gaps", []) + [(staleness.max().item(), gap)]
-        return super()._compute_loss(model, inputs)
-
-
 def test_plain_grpo_config_runs_async_with_defaults(tmp_path, dataset, tokenizer):
     args = make_args(tmp_path, config_cls=GRPOConfig)
     trainer = AsyncGRPOTrainer(
@@ -109,53 +91,24 @@ def test_plain_grpo_config_runs_async_with_defaults(tmp_path, dataset, tokenizer
     assert logged[-1]["async/evicted"] == 0
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_no_row_older_than_max_staleness_reaches_the_loss(tmp_path, dataset, tokenizer, max_staleness):
-    args = make_args(tmp_path, max_staleness=max_staleness, max_steps=6, loss_type="m2po")
-    trainer = InstrumentedTrainer(
-        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    trainer.train()
-    assert len(trainer.recorded_staleness) == 6 * 8
-    assert max(trainer.recorded_staleness) <= max_staleness
-    # The bound is exercised: the generator did run ahead, so stale rows did reach the loss.
-    assert max(trainer.recorded_staleness) >= 1
-    # Rows generated with the trainer's current weights have the trainer's log-probs: weights really flow back,
-    # and behaviour log-probs use the same temperature scaling (the recipe default temperature 1.0 here).
-    fresh_gaps = [gap for staleness, gap in trainer.recorded_logp_gaps if staleness == 0]
-    assert fresh_gaps and max(fresh_gaps) < 1e-3, fresh_gaps
-    stale_gaps = [gap for staleness, gap in trainer.recorded_logp_gaps if staleness > 0]
-    assert stale_gaps and max(stale_gaps) > 1e-3  # lr 1e-3 moves the policy: stale rows really are off-policy
-
-
 def test_on_policy_batch_and_loss_equal_trl_sync(tmp_path, dataset, tokenizer):
-    """With max_staleness=0, the same rows give TRL's batch dict and TRL's loss, and the generator's behaviour
-    log-probs (temperature 0.7) equal the trainer's."""
-    torch.manual_seed(0)
-    args = make_args(tmp_path, max_staleness=0, temperature=0.7, max_steps=1)
+    """With max_staleness=0 and greedy decoding, TRL's own generation and ours produce the same rows: the batch dict
+    and the loss are exactly TRL's. The generation process's first batch is the first batch of TRL's sampler."""
+    greedy = dict(max_staleness=0, max_steps=1, generation_kwargs={"do_sample": False})
     ours = AsyncGRPOTrainer(
-        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
-    sync_args = make_args(tmp_path, config_cls=GRPOConfig, temperature=0.7, max_steps=1)
-    theirs = GRPOTrainer(
-        model=load_model(),
-        reward_funcs=answer_reward,
-        args=sync_args,
-        train_dataset=dataset,
+        model=load_model(), reward_funcs=answer_reward, args=make_args(tmp_path, **greedy), train_dataset=dataset,
         processing_class=tokenizer,
-    )
-    inputs = next(iter(ours.get_train_dataloader()))
+    )  # fmt: skip
+    sync_args = make_args(tmp_path, config_cls=GRPOConfig, max_steps=1, generation_kwargs={"do_sample": False})
+    theirs = GRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=sync_args, train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
     ours.model.train()
     theirs.model.train()
     try:
-        batch = ours._generate_and_score_completions(inputs)
-        rows = batch["completion_ids"], batch["completion_mask"]
-        # Give TRL's synchronous path the same completions (sampling is random; the rows must be the same).
-        theirs._generate_single_turn = lambda *a, **k: (
-            [ids[m.bool()].tolist() for ids, m in zip(*rows, strict=True)],
-            None,
-        )
-        reference = theirs._generate_and_score_completions(inputs)
+        batch = ours._generate_and_score_completions(next(iter(ours.get_train_dataloader())))
+        reference = theirs._generate_and_score_completions(next(iter(theirs.get_train_dataloader())))
     finally:
         ours.close_rollout()
     assert set(reference) == TRL_BATCH_KEYS
@@ -168,22 +121,15 @@ def test_on_policy_batch_and_loss_equal_trl_sync(tmp_path, dataset, tokenizer):
     loss_ours = ours._compute_loss(ours.model, batch)
     loss_theirs = theirs._compute_loss(theirs.model, reference)
     torch.testing.assert_close(loss_ours, loss_theirs, rtol=0, atol=0)
-    with torch.no_grad():
-        logps, _, _ = theirs._get_per_token_logps_and_entropies(
-            theirs.model,
-            torch.cat([reference["prompt_ids"], reference["completion_ids"]], 1),
-            torch.cat([reference["prompt_mask"], reference["completion_mask"]], 1),
-            reference["completion_ids"].size(1),
-        )
-    mask = batch["completion_mask"].bool()
-    torch.testing.assert_close(batch["sampling_per_token_logps"][mask], logps[mask], atol=1e-4, rtol=0)
 
 
 def test_lora_syncs_only_adapters(tmp_path, dataset, tokenizer):
     from peft import LoraConfig
 
-    args = make_args(tmp_path, max_staleness=1, max_steps=4, learning_rate=5e-3)
-    trainer = InstrumentedTrainer(
+    args = make_args(
+        tmp_path, max_staleness=1, max_steps=4, learning_rate=5e-3, trainer_generates_while_starting=False
+    )
+    trainer = WeightTracingTrainer(
         model=load_model(),
         reward_funcs=length_reward,
         args=args,
@@ -192,22 +138,39 @@ def test_lora_syncs_only_adapters(tmp_path, dataset, tokenizer):
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     published = []
-    original = trainer._publish_weights
+    original = trainer._rollout.publish
 
-    def spy(version):
-        if trainer._rollout is not None:
-            published.append(list(trainer._rollout.trainable_store.buffers))
-        original(version)
+    def spy(model, version, state=None):
+        published.append(list(trainer._rollout.trainable_store.buffers))
+        return original(model, version, state)
 
-    trainer._publish_weights = spy
+    trainer._rollout.publish = spy
     trainer.train()
     assert published, "weights were never published"
     names = published[0]
     assert names and all("lora_" in name for name in names)
     base_params = sum(p.numel() for n, p in trainer.model.named_parameters() if "lora_" not in n)
     assert sum(p.numel() for n, p in trainer.model.named_parameters() if n in set(names)) < base_params / 20
-    fresh_gaps = [gap for staleness, gap in trainer.recorded_logp_gaps if staleness == 0]
-    assert fresh_gaps and max(fresh_gaps) < 1e-3  # the generator's adapters follow the trainer's
+    # The generator's adapters follow the trainer's: every batch's μ is reproduced by the version it is tagged with.
+    assert trainer.tag_is_true and all(trainer.tag_is_true)
+    assert max(trainer.true_staleness) >= 1
+
+
+def test_peft_model_with_reference_adapter_and_kl(tmp_path, dataset, tokenizer):
+    """A PEFT model passed in with beta > 0: TRL adds a frozen `ref` adapter for the KL term; it stays on the
+    trainer (the generator samples from the policy adapter only)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = make_args(tmp_path, max_steps=3, beta=0.1, trainer_generates_while_starting=False)
+    trainer = WeightTracingTrainer(
+        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    assert "ref" in trainer.model.peft_config
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "kl" in h]
+    assert len(logged) == 3 and all(math.isfinite(h["kl"]) for h in logged)
+    assert all(trainer.tag_is_true)
 
 
 class RaiseAtStep(TrainerCallback):
@@ -220,7 +183,7 @@ class RaiseAtStep(TrainerCallback):
 
 
 def _generator_pid(trainer):
-    return trainer._rollout.process.pid
+    return trainer._rollout.process.pid if trainer._rollout.process is not None else None
 
 
 @pytest.mark.parametrize("error", [None, KeyboardInterrupt(), RuntimeError("boom in a callback")])
@@ -238,8 +201,9 @@ def test_generator_is_stopped_on_every_exit_path(tmp_path, dataset, tokenizer, e
             trainer.train()
     else:
         trainer.train()
+    pids = [p for p in pids if p is not None]
     assert pids and len(set(pids)) == 1
-    assert trainer._rollout is None
+    assert trainer._rollout.process is None
     assert pid_is_gone(pids[0])
 
 
@@ -248,7 +212,7 @@ def failing_reward(completions, **kwargs):
 
 
 def test_generator_failure_surfaces_with_child_traceback(tmp_path, dataset, tokenizer):
-    args = make_args(tmp_path, generator_heartbeat_timeout=60.0)
+    args = make_args(tmp_path, generator_heartbeat_timeout=60.0, trainer_generates_while_starting=False)
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=failing_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
@@ -258,7 +222,17 @@ def test_generator_failure_surfaces_with_child_traceback(tmp_path, dataset, toke
     assert "reward function exploded on purpose" in str(info.value)
     assert "Traceback" in str(info.value)
     assert time.time() - start < 60
-    assert trainer._rollout is None
+    assert trainer._rollout.process is None
+
+
+def test_reward_failure_in_a_batch_the_trainer_generates_raises_it_directly(tmp_path, dataset, tokenizer):
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=failing_reward, args=make_args(tmp_path), train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="reward function exploded on purpose"):
+        trainer.train()
+    assert trainer._rollout.process is None
 
 
 def hanging_reward(completions, **kwargs):
@@ -266,7 +240,7 @@ def hanging_reward(completions, **kwargs):
 
 
 def test_hung_generator_is_detected_by_heartbeat(tmp_path, dataset, tokenizer):
-    args = make_args(tmp_path, generator_heartbeat_timeout=4.0)
+    args = make_args(tmp_path, generator_heartbeat_timeout=4.0, trainer_generates_while_starting=False)
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=hanging_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
@@ -287,7 +261,7 @@ def test_eval_uses_synchronous_generation(tmp_path, dataset, tokenizer):
         processing_class=tokenizer,
     )
     metrics = trainer.evaluate()
-    assert "eval_reward" in metrics and trainer._rollout is None
+    assert "eval_reward" in metrics and not trainer._rollout.started
 
 
 @pytest.mark.parametrize(
@@ -316,10 +290,3 @@ def test_plain_grpo_config_with_bad_async_field_is_rejected(tmp_path, dataset, t
     with pytest.raises(ValueError, match="max_staleness"):
         AsyncGRPOTrainer(model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
                          processing_class=tokenizer)  # fmt: skip
-
-
-def test_unsupported_features_fail_clearly(tmp_path, dataset, tokenizer):
-    args = make_args(tmp_path)
-    with pytest.raises(ValueError, match="iterable train_dataset"):
-        AsyncGRPOTrainer(model=load_model(), reward_funcs=answer_reward, args=args,
-                         train_dataset=dataset.to_iterable_dataset(), processing_class=tokenizer)  # fmt: skip

@@ -38,7 +38,8 @@ def run(tmp_path, monkeypatch, reward_funcs_factory):
     tokenizer.__class__ = CountingTokenizer
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=8,
                            num_generations=4, max_completion_length=24, logging_steps=1, report_to="none",
-                           save_strategy="no", bf16=False, log_completions=False)  # fmt: skip
+                           save_strategy="no", bf16=False, log_completions=False,
+                           trainer_generates_while_starting=False)  # the generation process makes every batch  # fmt: skip
     trainer = AsyncGRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
         reward_funcs=reward_funcs_factory(tokenizer),

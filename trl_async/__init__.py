@@ -1,9 +1,29 @@
-"""trl_async: asynchronous GRPO/PPO for Hugging Face TRL, with M2PO and tensor-native rewards."""
+"""trl_async: asynchronous GRPO/PPO for Hugging Face TRL, with M2PO and tensor-native rewards.
 
-from .config import AsyncGRPOConfig
-from .grpo import AsyncGRPOTrainer
-from .rollout import StalenessBoundedQueue
+The public names are imported on first use (PEP 562), so that the generation process, which imports only
+`trl_async.rollout` and `trl_async.rewards`, starts without importing TRL's trainers (seconds of start-up per rank).
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "StalenessBoundedQueue", "__version__"]
+_PUBLIC = {
+    "AsyncGRPOConfig": ".config",
+    "AsyncGRPOTrainer": ".grpo",
+    "StalenessBoundedQueue": ".rollout",
+}
+
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trl_async' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

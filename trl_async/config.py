@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from .rollout.queue import last_use_version
+
+logger = logging.getLogger(__name__)
 
 GENERATION_BACKENDS = ("hf",)
 # Backends designed for but not built yet: named here so the error says so instead of "unknown".
@@ -39,13 +42,14 @@ class AsyncGRPOConfig(GRPOConfig):
             "synchronous generation in the training process (useful for debugging and A/B runs)."
         },
     )
-    max_staleness: int = field(
-        default=1,
+    max_staleness: int | None = field(
+        default=None,
         metadata={
             "help": "Largest staleness (in optimizer steps) a row may have when it enters a loss. 0 is on-policy "
-            "(generation waits for every update). 1, the default, is the smallest value that lets the generator "
-            "produce batch n+1 while the trainer trains on batch n, which is all the overlap two alternating "
-            "stages can have; larger values only add slack for uneven step times, at the price of staler data."
+            "(generation waits for every update). Default (None): the smallest value that lets the generator produce "
+            "the next generation batch while the trainer trains on the current one: 1 when each generation batch is "
+            "used within one optimizer step (TRL's default schedule), more when the schedule trains on a batch across "
+            "several optimizer steps (steps_per_generation > gradient_accumulation_steps, or num_iterations > 1)."
         },
     )
     queue_capacity: int | None = field(
@@ -79,6 +83,15 @@ class AsyncGRPOConfig(GRPOConfig):
         metadata={
             "help": "torch CPU threads of the generation process. Default: half of this rank's CPU cores (at least "
             "1); when both processes compute on the CPU, the trainer keeps the other half."
+        },
+    )
+    trainer_generates_while_starting: bool = field(
+        default=True,
+        metadata={
+            "help": "While the generation process starts (spawn, imports, model build: seconds), the trainer produces "
+            "the first generation batches itself, with the same code and the same per-batch seeds, so training never "
+            "waits for a cold generator; it switches to the queue as soon as the generation process is ready. False: "
+            "the trainer waits for the generation process instead."
         },
     )
     generator_startup_timeout: float = field(
@@ -123,7 +136,7 @@ class AsyncGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        validate_async_fields(self)
+        ensure_async_fields(self)
 
 
 ASYNC_FIELDS = tuple(
@@ -131,13 +144,38 @@ ASYNC_FIELDS = tuple(
 )
 
 
+def async_field(args, name: str):
+    """An async/M2PO field of `args`, or its default when `args` lacks it (a plain `GRPOConfig`, a namespace)."""
+    return getattr(args, name, _ASYNC_DEFAULTS[name])
+
+
+_ASYNC_DEFAULTS = {f.name: f.default for f in ASYNC_FIELDS}
+
+
 def ensure_async_fields(args: GRPOConfig) -> GRPOConfig:
-    """Give a plain `GRPOConfig` the async defaults (in place) and validate; an `AsyncGRPOConfig` is only validated."""
+    """Give a plain `GRPOConfig` the async defaults (in place), resolve `max_staleness=None`, and validate.
+
+    A value the user set explicitly is validated as given: too small a `max_staleness` for the schedule is an error.
+    Only an unset one (`None`, or absent from a plain `GRPOConfig`) is derived from the schedule, and logged.
+    """
     for f in ASYNC_FIELDS:
         if not hasattr(args, f.name):
             setattr(args, f.name, f.default)
+    if args.max_staleness is None and getattr(args, "gradient_accumulation_steps", None) is not None:
+        args.max_staleness = default_max_staleness(args)
+        logger.info(
+            "trl_async: max_staleness=%d (derived from the schedule: each generation batch is trained on across %d "
+            "optimizer step(s)); set it in AsyncGRPOConfig to choose another bound.",
+            args.max_staleness,
+            usage_span(args) + 1,
+        )
     validate_async_fields(args)
     return args
+
+
+def default_max_staleness(args) -> int:
+    """The smallest bound that lets batch n+1 be generated while batch n trains: its usage span plus one."""
+    return usage_span(args) + 1
 
 
 def _check(condition: bool, message: str) -> None:
@@ -152,8 +190,9 @@ def validate_async_fields(args) -> None:
         f"loss_type={args.loss_type!r} is unknown. Use one of {list(LOSS_TYPES)}.",
     )
     _check(
-        isinstance(args.max_staleness, int) and args.max_staleness >= 0,
-        f"max_staleness must be an integer >= 0 (0 = on-policy), got {args.max_staleness!r}.",
+        args.max_staleness is None or (isinstance(args.max_staleness, int) and args.max_staleness >= 0),
+        f"max_staleness must be None (derived from the schedule) or an integer >= 0 (0 = on-policy), got "
+        f"{args.max_staleness!r}.",
     )
     _check(
         isinstance(args.weight_sync_steps, int) and args.weight_sync_steps >= 1,
@@ -187,7 +226,7 @@ def validate_async_fields(args) -> None:
     )
     _check(args.m2po_gamma is not None and args.m2po_gamma > 0, f"m2po_gamma must be > 0, got {args.m2po_gamma!r}.")
 
-    if args.async_generation:
+    if args.async_generation and args.max_staleness is not None:
         span = usage_span(args)
         _check(
             span <= args.max_staleness,

@@ -1,70 +1,88 @@
 """`AsyncGRPOTrainer`: TRL's `GRPOTrainer` with generation in a background process and the M2PO loss.
 
-What changes compared with `GRPOTrainer`, and where:
+What changes compared with `GRPOTrainer`, and where (each override calls TRL's method wherever it can):
 
-* `_generate` (training mode only): instead of generating in the training process, take the next generation batch
-  from the staleness-bounded queue that this rank's generation process fills. The rows were sampled, scored and
-  (only if a text reward or completion logging needs it) decoded in that process.
-* `_calculate_rewards`: return the rewards the generation process computed; TRL's own advantage code then runs
-  unchanged on them.
-* `_generate_and_score_completions`: calls TRL's, then applies the importance correction against the behaviour
-  policy (for TRL's loss types) and tags rows with their policy version.
-* `_compute_loss`: adds `loss_type="m2po"`; every other loss type is TRL's.
-* `train`: stops the generation process on every exit path. A callback publishes weights after optimizer steps.
+* `get_train_dataloader` (training, async): the dataloader only paces the training loop (lengths, epochs, resume
+  bookkeeping stay TRL's); the rows come from the rollout component, whose generation process owns the prompt stream.
+* `_generate_and_score_completions` (training, async): takes the next batch from the rollout component (fresh enough
+  on every rank, stale ones skipped and counted), runs TRL's own method on its rows, then tags the rows with their
+  policy version and, for TRL's loss types, applies TRL's importance correction against the behaviour log-probs.
+* `_generate` / `_calculate_rewards`: return what the generation process sampled and scored (reward *models* are
+  scored here, by TRL's own code, on the decoded completions).
+* `_compute_loss`: adds `loss_type="m2po"`; for TRL's loss types it is TRL's, with the importance weight computed from
+  TRL's own forward when the batch is used within one optimizer step.
+* `log`: adds the `async/*` metrics of the logging window; `_save_checkpoint` / `_load_optimizer_and_scheduler`:
+  save and restore the prompt stream's position; `train`: stops the generation process on every exit path.
 
-Evaluation (`model.eval()`) always uses TRL's synchronous path.
+Evaluation (`model.eval()`) and `async_generation=False` use TRL's synchronous path unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
-import time
 import weakref
 
 import torch
-from accelerate.utils import gather
+from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback
-from trl import GRPOTrainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOConfig, GRPOTrainer
 
-from .config import (
-    ensure_async_fields,
-    micro_steps_per_generation,
-)
+from .config import async_field, ensure_async_fields, micro_steps_per_generation
 from .importance import fold_into_advantages, truncated_importance_weights
 from .losses import m2po_loss, reference_m2po_loss
 from .rewards import is_tensor_reward
-from .rollout import GenerationProcess, GeneratorSpec, ModelSpec, SharedWeightStore, StalenessBoundedQueue
-from .rollout.weights import named_frozen_parameters, named_trainable_parameters
+from .rollout import GeneratorSpec, ModelSpec
+from .rollout.client import RolloutClient, RolloutSettings
+from .rollout.prompts import is_iterable_dataset
+from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
 
+# How the `async/*` and `m2po/*` values appended during a logging window are reduced when TRL logs (TRL averages).
+_WINDOW_SUMS = ("m2po/all_masked_batches",)
+
 
 class _PublishWeights(TrainerCallback):
-    """Publishes the policy to the generation process after optimizer steps (every `weight_sync_steps`)."""
+    """Publishes the policy to the generation process after each optimizer step (every `weight_sync_steps`)."""
 
     def __init__(self, trainer: AsyncGRPOTrainer):
         self._trainer = weakref.ref(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self._trainer()
-        if trainer is not None:
-            trainer._publish_weights(state.global_step)
+        if trainer is not None and trainer._rollout_started():
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            seconds = trainer._rollout.publish(model, state.global_step, state)
+            if seconds:
+                trainer._metrics["train"]["async/weight_sync_s"].append(seconds)
 
 
-class _Rollout:
-    """The trainer-side pieces of asynchronous generation for one rank."""
+class _RolloutTicks(torch.utils.data.Dataset):
+    """What the training dataloader iterates in async mode: one placeholder per dataset row, so that TRL's sampler,
+    lengths, epochs and resume skipping work unchanged while the rows themselves come from the rollout component."""
 
-    def __init__(self, process, rollout_queue, trainable_store, trainable_params):
-        self.process = process
-        self.queue = rollout_queue
-        self.trainable_store = trainable_store
-        self.trainable_params = trainable_params
-        self.last_stats = rollout_queue.stats()
-        self._finalizer = weakref.finalize(self, process.stop)
+    def __init__(self, length: int):
+        self.length = length
 
-    def close(self):
-        self._finalizer()
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return {"prompt": index}
+
+
+class _EndlessRolloutTicks(torch.utils.data.IterableDataset):
+    """The same for an iterable train dataset: ticks without end (TRL then needs `max_steps`, as for any iterable)."""
+
+    def __iter__(self):
+        index = 0
+        while True:
+            yield {"prompt": index}
+            index += 1
 
 
 class AsyncGRPOTrainer(GRPOTrainer):
@@ -77,60 +95,57 @@ class AsyncGRPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "trl-async"]
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
-        if args is not None:
-            ensure_async_fields(args)
-        super().__init__(model, reward_funcs, args, *positional, **kwargs)
-        ensure_async_fields(self.args)
-        self._rollout: _Rollout | None = None
-        self._rewards_from_generator: torch.Tensor | None = None
-        self._rollout_item = None
-        self._check_supported()
+        bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *positional, **kwargs)
+        if args is None:  # TRL's default, created here so that the async checks below see it
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+            bound.arguments["args"] = args
+        ensure_async_fields(args)
+        check_m2po_supported(args, model)
+        if args.async_generation:
+            given = bound.arguments
+            check_async_supported(
+                args,
+                model,
+                processing_class=given.get("processing_class"),
+                quantization_config=given.get("quantization_config"),
+                tools=given.get("tools"),
+                rollout_func=given.get("rollout_func"),
+                environment_factory=given.get("environment_factory"),
+            )
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        self._rollout = RolloutClient(
+            RolloutSettings(
+                max_staleness=self.args.max_staleness,
+                micro_steps_per_item=micro_steps_per_generation(self.args),
+                micro_steps_per_version=self.args.gradient_accumulation_steps,
+                queue_capacity=self.args.queue_capacity,
+                weight_sync_steps=self.args.weight_sync_steps,
+                trainer_generates_while_starting=self.args.trainer_generates_while_starting,
+                startup_timeout=self.args.generator_startup_timeout,
+                heartbeat_timeout=self.args.generator_heartbeat_timeout,
+            ),
+            all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
+        )
         if self.args.async_generation:
             self.add_callback(_PublishWeights(self))
 
-    # --------------------------------------------------------------------------------------------- validation
-    def _check_supported(self) -> None:
-        args = self.args
-        if self.loss_type == "m2po":
-            unsupported = {
-                "top_entropy_quantile < 1": self.top_entropy_quantile < 1.0,
-                "an entropy bonus (entropy_coef)": getattr(self, "_entropy_bonus_enabled", False),
-                "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
-                "importance_sampling_level='sequence'": self.importance_sampling_level != "token",
-                "a MoE router aux loss": self.aux_loss_enabled,
-            }
-            used = [name for name, on in unsupported.items() if on]
-            if used:
-                raise ValueError(f"loss_type='m2po' does not support {', '.join(used)}; disable it or use 'dapo'.")
-        if not args.async_generation:
-            return
-        reasons = []
-        if self.use_vllm:
-            reasons.append("use_vllm=True (TRL's colocated/server vLLM generation)")
-        if self.tools:
-            reasons.append("tools")
-        if self.environment_factories is not None:
-            reasons.append("environment_factory")
-        if self.rollout_func is not None:
-            reasons.append("rollout_func")
-        if self._is_vlm:
-            reasons.append("vision-language models")
-        if isinstance(self.train_dataset, torch.utils.data.IterableDataset) or not hasattr(
-            self.train_dataset, "__getitem__"
-        ):
-            reasons.append("an iterable train_dataset (the generator needs to index prompts)")
-        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
-            if isinstance(func, torch.nn.Module):
-                reasons.append(f"reward model {name!r} (only callables run in the generation process)")
-        if reasons:
-            raise ValueError(
-                "Asynchronous generation does not support " + "; ".join(reasons) + ". Set async_generation=False "
-                "in the config to run TRL's synchronous generation with these features."
-            )
-
     # --------------------------------------------------------------------------------------------- lifecycle
-    def _async_active(self) -> bool:
-        return self.args.async_generation and self.model.training
+    def _async_training(self) -> bool:
+        return bool(async_field(self.args, "async_generation")) and self.model.training
+
+    def _serving_batch(self):
+        """The rollout batch TRL's scoring code is working on, if any (None for TRL's own generation, and for a
+        trainer object built without `__init__`, as TRL's unit tests build them)."""
+        rollout = self.__dict__.get("_rollout")
+        return None if rollout is None else rollout.current
+
+    def _rollout_started(self) -> bool:
+        rollout = self.__dict__.get("_rollout")
+        return rollout is not None and rollout.started
+
+    def _all_reduce_max(self, value: int) -> int:
+        return int(gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
     def _generation_placement(self) -> tuple[str, int]:
         args = self.args
@@ -150,36 +165,25 @@ class AsyncGRPOTrainer(GRPOTrainer):
             torch.set_num_threads(max(1, cores - threads))
         return device, threads
 
-    def _start_rollout(self) -> None:
+    def _generator_spec(self) -> GeneratorSpec:
+        """What this rank's generation process needs: TRL's sampling settings, prompt order and reward callables."""
         args = self.args
-        if self.state.global_step > 0:
-            raise NotImplementedError(
-                "Resuming an asynchronous run from a checkpoint is not supported yet: the generator cannot yet "
-                "replay the dataloader position. Resume with async_generation=False."
-            )
         model = self.accelerator.unwrap_model(self.model)
         is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
         base = model.get_base_model() if is_peft else model
-        frozen, trainable = named_frozen_parameters(model), named_trainable_parameters(model)
-        if not trainable:
-            raise ValueError("The model has no trainable parameters to publish to the generator.")
-        version = self.state.global_step
-        frozen_store = SharedWeightStore(frozen) if frozen else None
-        if frozen_store is not None:
-            frozen_store.publish(frozen, version)
-        trainable_store = SharedWeightStore(trainable)
-        trainable_store.publish(trainable, version)
-        rollout_queue = StalenessBoundedQueue(
-            max_staleness=args.max_staleness,
-            capacity=args.queue_capacity,  # None: the queue derives it from the staleness bound and the schedule
-            micro_steps_per_item=micro_steps_per_generation(args),
-            micro_steps_per_version=args.gradient_accumulation_steps,
-            base_version=version,
-        )
-        rollout_queue.publish(version)
         device, threads = self._generation_placement()
-        any_text_reward = not all(is_tensor_reward(f) for f in self.reward_funcs)
-        spec = GeneratorSpec(
+        reward_models = [isinstance(f, torch.nn.Module) and not is_tensor_reward(f) for f in self.reward_funcs]
+        any_text_reward = any(
+            not is_tensor_reward(f) and not m for f, m in zip(self.reward_funcs, reward_models, strict=True)
+        )
+        columns = None
+        if args.remove_unused_columns and not is_iterable_dataset(self.train_dataset):
+            import datasets
+
+            if isinstance(self.train_dataset, datasets.Dataset):  # what `Trainer` would have removed
+                self._set_signature_columns_if_needed()
+                columns = list(self._signature_columns)
+        return GeneratorSpec(
             process_index=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes,
             device=device,
@@ -187,7 +191,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             backend=args.generation_backend,
             model_spec=ModelSpec(
                 config=base.config,
-                dtype=(frozen or trainable)[0][1].dtype,
+                dtype=next(base.parameters()).dtype,
                 peft_config=model.peft_config[model.active_adapter] if is_peft else None,
                 adapter_name=model.active_adapter if is_peft else "default",
             ),
@@ -201,37 +205,20 @@ class AsyncGRPOTrainer(GRPOTrainer):
             dataset=self.train_dataset,
             num_generations=self.num_generations,
             generation_batch_size=args.generation_batch_size,
-            repeat_count=self.num_iterations * args.steps_per_generation,
             shuffle=self.shuffle_dataset,
             seed=args.seed,
-            reward_funcs=list(self.reward_funcs),
+            reward_funcs=[
+                None if is_model else f for f, is_model in zip(self.reward_funcs, reward_models, strict=True)
+            ],
             reward_func_names=list(self.reward_func_names),
-            decode_completions=bool(args.log_completions),
+            decode=bool(args.log_completions) or any(reward_models) or any_text_reward,
             parent_pid=os.getpid(),
+            columns=columns,
         )
-        process = GenerationProcess(
-            spec,
-            rollout_queue,
-            frozen_store,
-            trainable_store,
-            startup_timeout=args.generator_startup_timeout,
-            heartbeat_timeout=args.generator_heartbeat_timeout,
-        )
-        t0 = time.perf_counter()
-        process.start()
-        logger.info(
-            "trl_async: generator pid %s on %s (%d threads) ready in %.1fs; %s and any text reward %s",
-            process.pid, device, threads, time.perf_counter() - t0,
-            f"{len(trainable)} trainable tensors ({trainable_store.num_bytes / 2**20:.1f} MiB) sync",
-            "decodes" if any_text_reward else "-",
-        )  # fmt: skip
-        self._rollout = _Rollout(process, rollout_queue, trainable_store, trainable)
 
     def close_rollout(self) -> None:
         """Stop this rank's generation process (idempotent). Called automatically when `train()` returns/raises."""
-        if self._rollout is not None:
-            self._rollout.close()
-            self._rollout = None
+        self._rollout.close()
 
     def train(self, *args, **kwargs):
         """`Trainer.train`, plus: the generation process is stopped on return, exception or KeyboardInterrupt."""
@@ -240,103 +227,146 @@ class AsyncGRPOTrainer(GRPOTrainer):
         finally:
             self.close_rollout()
 
-    def _publish_weights(self, version: int) -> None:
-        rollout = self._rollout
-        if rollout is None or version % self.args.weight_sync_steps:
-            return
-        start = time.perf_counter()
-        rollout.trainable_store.publish(rollout.trainable_params, version)
-        rollout.queue.publish(version)
-        self._metrics["train"]["async/weight_sync_s"].append(time.perf_counter() - start)
+    # --------------------------------------------------------------------------------------------- data
+    def get_train_dataloader(self):
+        """Replaces `GRPOTrainer.get_train_dataloader` in async mode: the same batch geometry and sampler over
+        placeholders (`_RolloutTicks`), so TRL's epochs, lengths and resume skipping hold while the generation process,
+        not the trainer, reads the dataset."""
+        if not async_field(self.args, "async_generation"):
+            return super().get_train_dataloader()
+        ticks = (
+            _EndlessRolloutTicks()
+            if is_iterable_dataset(self.train_dataset)
+            else _RolloutTicks(len(self.train_dataset))
+        )
+        return self._get_dataloader(
+            dataset=ticks,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
 
-    # --------------------------------------------------------------------------------------------- overrides
-    def _generate(self, prompts: list):
-        """Replaces `GRPOTrainer._generate` in training mode: the completions come from the rollout queue.
-
-        TRL's version generates in this process and always decodes; here the generation process has sampled,
-        scored and (only when needed) decoded the rows. The completion-length metrics TRL logs in `_generate` are
-        logged the same way. Evaluation falls through to TRL.
-        """
-        if not self._async_active():
-            return super()._generate(prompts)
-        if self._rollout is None:
-            self._start_rollout()
-        rollout = self._rollout
+    def _last_use_version(self) -> int:
+        """Policy version at which the generation batch about to be built is last used (see `config.usage_span`)."""
         micro_step, group = self._step, micro_steps_per_generation(self.args)
         a = self.args.gradient_accumulation_steps
-        last_use = self.state.global_step + (micro_step + group - 1) // a - micro_step // a
-        item = rollout.queue.get(last_use, on_wait=rollout.process.check_health)
-        payload = item.payload
-        if payload["prompts"] != prompts:
-            raise RuntimeError(
-                "The generation process produced rows for other prompts than the trainer's dataloader holds: the "
-                "prompt order of TRL's sampler was not reproduced (did the dataset, the sampler or accelerate's "
-                "sharding change?)."
+        return self.state.global_step + (micro_step + group - 1) // a - micro_step // a
+
+    # --------------------------------------------------------------------------------------------- overrides
+    def _generate_and_score_completions(self, inputs):
+        """In async training, replaces the rows TRL's dataloader handed over (placeholders) with the next rollout batch
+        and runs `GRPOTrainer._generate_and_score_completions` on it. Then, for queue rows:
+
+        * adds `rollout_versions` (B,), the policy version that generated each row;
+        * for TRL's loss types with `max_staleness > 0`, where TRL computed `old_per_token_logps` (a batch trained on
+          across several optimizer steps), applies TRL's truncated importance weight π_old/μ now; otherwise
+          `_compute_loss` computes it from its own forward (π_old is then π_θ, detached).
+        """
+        if not self._async_training():
+            return super()._generate_and_score_completions(inputs)
+        if not self._rollout.started:
+            self._rollout.start(
+                self._generator_spec(),
+                self.accelerator.unwrap_model(self.model),
+                version=self.state.global_step,
+                trainer_state=self.state,
             )
-        self._rollout_item = item
-        self._rewards_from_generator = payload["rewards_per_func"]
+        batch = self._rollout.next_batch(
+            self._last_use_version(), self.accelerator.unwrap_model(self.model), current_version=self.state.global_step
+        )
+        with self._rollout.serving(batch):
+            output = super()._generate_and_score_completions(batch.payload["rows"])
+        output["rollout_versions"] = torch.full(
+            (output["completion_ids"].size(0),), batch.version, device=output["completion_ids"].device
+        )
+        if self._corrects_behaviour(output) and "old_per_token_logps" in output:
+            self._apply_behaviour_correction(output, output["old_per_token_logps"])
+        return output
+
+    def _generate(self, prompts: list):
+        """Replaces `GRPOTrainer._generate` for a rollout batch: its completions were sampled (and decoded only if a
+        text reward, a reward model or completion logging needs them) by the producer. TRL's completion-length metrics
+        are logged the same way. Otherwise (evaluation, synchronous mode) it is TRL's."""
+        batch = self._serving_batch()
+        if batch is None:
+            return super()._generate(prompts)
+        payload = batch.payload
         prompt_ids, completion_ids = payload["prompt_ids"], payload["completion_ids"]
         completions = payload["completions"]
         if completions is None:  # not decoded: nothing reads them (no text reward, no completion logging)
             completions = [""] * len(completion_ids)
         self._log_completion_lengths(prompt_ids, completion_ids)
-        self._log_async_metrics(item)
         return prompt_ids, completion_ids, None, completions, payload["logprobs"], {}, None, []
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """Replaces `GRPOTrainer._calculate_rewards` when the generation process already scored the rows.
-
-        Returns the same thing: rewards per function, gathered across processes so that TRL's group normalization
-        sees whole groups. Otherwise (evaluation, synchronous mode) it is TRL's.
-        """
-        rewards = self._rewards_from_generator
-        if rewards is None:
+        """Replaces `GRPOTrainer._calculate_rewards` for a rollout batch: the reward callables already ran in the
+        producer (with `trainer_state`, `log_extra` and `log_metric`; their log calls are replayed here, so they reach
+        TRL's logs exactly as in TRL); reward models (`nn.Module`s) are scored here by TRL's own code on the decoded
+        completions. Returns the same thing as TRL: rewards per function, gathered across processes."""
+        batch = self._serving_batch()
+        if batch is None:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rewards_from_generator = None
-        return gather(rewards.to(self.accelerator.device))
+        payload = batch.payload
+        for column, values in payload["extra_logs"].items():
+            self._log_completion_extra(column, values)
+        for name, values in payload["logged_metrics"].items():
+            for value in values:
+                self._log_metric(name, value)
+        rewards = gather(payload["rewards_per_func"].to(self.accelerator.device))
+        model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
+        if model_columns:
+            with self._only_reward_functions(model_columns):
+                scored = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards[:, model_columns] = scored
+        return rewards
 
-    def _generate_and_score_completions(self, inputs):
-        """Calls `GRPOTrainer._generate_and_score_completions`, then, for queue rows:
+    @contextlib.contextmanager
+    def _only_reward_functions(self, columns: list[int]):
+        """TRL's `_calculate_rewards` scores every reward function; for a rollout batch only the reward models are
+        left to score, so TRL's code runs on that subset (and nothing of it is copied here)."""
+        saved = self.reward_funcs, self.reward_processing_classes, self.reward_func_names
+        self.reward_funcs = [saved[0][i] for i in columns]
+        self.reward_processing_classes = [saved[1][i] for i in columns]
+        self.reward_func_names = [saved[2][i] for i in columns]
+        try:
+            yield
+        finally:
+            self.reward_funcs, self.reward_processing_classes, self.reward_func_names = saved
 
-        * adds `rollout_versions` (B,), the policy version that generated each row;
-        * for TRL's loss types with `max_staleness > 0`, applies TRL's truncated importance correction
-          (`vllm_importance_sampling_*` semantics) against the behaviour log-probs, folded into the advantages
-          (see `trl_async.importance`). `loss_type="m2po"` instead uses the behaviour log-probs as its ratio's
-          denominator, in `_compute_loss`.
-        """
-        output = super()._generate_and_score_completions(inputs)
-        item, self._rollout_item = self._rollout_item, None
-        if item is None:
-            return output
-        batch = output["completion_ids"].size(0)
-        output["rollout_versions"] = torch.full((batch,), item.version, device=output["completion_ids"].device)
-        args = self.args
-        if self.loss_type != "m2po" and args.vllm_importance_sampling_correction and args.max_staleness > 0:
-            self._correct_towards_behaviour(output)
-        return output
+    # --------------------------------------------------------------------------------------------- importance
+    def _corrects_behaviour(self, inputs: dict) -> bool:
+        """TRL's loss types get TRL's importance correction against μ when rows can be stale (`max_staleness > 0`)."""
+        return (
+            "rollout_versions" in inputs
+            and "sampling_per_token_logps" in inputs
+            and self.loss_type != "m2po"
+            and bool(self.args.vllm_importance_sampling_correction)
+            and (async_field(self.args, "max_staleness") or 0) > 0
+        )
 
     @torch.no_grad()
-    def _correct_towards_behaviour(self, output: dict) -> None:
-        mask = output["completion_mask"]
-        current = output.get("old_per_token_logps")
-        if current is None:  # TRL skips it when on-policy within the batch; we need π_old to compare with μ
-            current, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
-                torch.cat([output["prompt_mask"], mask], dim=1),
-                output["completion_ids"].size(1),
-                batch_size=self.args.per_device_train_batch_size,
-            )
+    def _apply_behaviour_correction(self, inputs: dict, old_logps: torch.Tensor) -> None:
+        """TRL's truncated importance weight w = π_old/μ (`vllm_importance_sampling_*` semantics), applied as TRL
+        applies it to its vLLM rows. VESPO takes the ratio inside φ (`importance_sampling_ratio`, as TRL feeds it);
+        every other TRL loss multiplies its per-token policy loss by w, which equals scaling the advantages by w
+        (each policy term is positively homogeneous in A, and w ≥ 0; `importance.py` gives the case-by-case proof)."""
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         args = self.args
         weights = truncated_importance_weights(
-            current,
-            output["sampling_per_token_logps"],
+            old_logps,
+            inputs["sampling_per_token_logps"],
             mask,
             mode=args.vllm_importance_sampling_mode,
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
         )
-        output["advantages"] = fold_into_advantages(output["advantages"], weights)
+        if self.loss_type == "vespo":
+            inputs["importance_sampling_ratio"] = weights
+        else:
+            inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
         flat = weights.flatten() if weights.size(1) == 1 else weights[mask.bool()]
         if flat.numel():
             stats = torch.stack([flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean()])
@@ -347,11 +377,36 @@ class AsyncGRPOTrainer(GRPOTrainer):
             metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
             metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
 
+    @contextlib.contextmanager
+    def _observe_policy_logps(self, observe):
+        """Calls `observe(per_token_logps)` on the log-probs of the next `_get_per_token_logps_and_entropies` call,
+        before TRL's `_compute_loss` reads the advantages: the importance weight needs π_old, which within one
+        optimizer step is exactly TRL's own π_θ (detached), so no extra forward is needed."""
+        compute = self._get_per_token_logps_and_entropies
+
+        def observed(*args, **kwargs):
+            out = compute(*args, **kwargs)
+            del self._get_per_token_logps_and_entropies  # one call only: back to the class's method
+            observe(out[0].detach())
+            return out
+
+        self._get_per_token_logps_and_entropies = observed
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_get_per_token_logps_and_entropies", None)
+
     def _compute_loss(self, model, inputs):
-        """Adds `loss_type="m2po"` to `GRPOTrainer._compute_loss`; every other loss type is delegated to TRL."""
-        if self.loss_type != "m2po":
-            return super()._compute_loss(model, inputs)
-        return self._compute_m2po_loss(model, inputs)
+        """Adds `loss_type="m2po"` to `GRPOTrainer._compute_loss`. Every other loss type is TRL's; for rollout rows
+        that still need TRL's importance correction (see `_generate_and_score_completions`), the weight is taken from
+        TRL's own forward in this call."""
+        if self.loss_type == "m2po":
+            return self._compute_m2po_loss(model, inputs)
+        if self.model.training and self._corrects_behaviour(inputs) and "old_per_token_logps" not in inputs:
+            inputs = dict(inputs)  # the buffered batch stays unweighted
+            with self._observe_policy_logps(lambda logps: self._apply_behaviour_correction(inputs, logps)):
+                return super()._compute_loss(model, inputs)
+        return super()._compute_loss(model, inputs)
 
     # --------------------------------------------------------------------------------------------- M2PO
     def _compute_m2po_loss(self, model, inputs):
@@ -412,11 +467,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["entropy"].append(self._global_masked_mean(entropies, mask))
         keys = ("masked_fraction", "m2_before", "m2_after")
         values = gather(torch.stack([stats[k].float() for k in keys] + [stats["all_masked"].float()]).unsqueeze(0))
-        values = values.view(-1, len(keys) + 1).mean(dim=0).tolist()
-        for key, value in zip(keys, values[: len(keys)], strict=True):
+        values = values.view(-1, len(keys) + 1)
+        for key, value in zip(keys, values[:, : len(keys)].mean(dim=0).tolist(), strict=True):
             metrics[f"m2po/{key}"].append(value)
-        if values[-1] > 0:
-            metrics["m2po/all_masked_batches"].append(values[-1])
+        all_masked = values[:, -1].sum().item()  # micro-batches (over ranks) in which M2PO masked every token
+        metrics["m2po/all_masked_batches"].append(all_masked)
+        if all_masked:
             logger.warning(
                 "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
                 "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
@@ -428,7 +484,70 @@ class AsyncGRPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum().float()]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model, trial):
+        """`GRPOTrainer._save_checkpoint`, plus the position of every rank's prompt stream (`trl_async_rollout.json`),
+        so that a resumed run trains on the batch that comes next, with the same per-batch seeds."""
+        super()._save_checkpoint(model, trial)
+        if not self._rollout_started():
+            return
+        states = gather_object([self._rollout.checkpoint_state(self.state.global_step)])
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            if os.path.isdir(folder):
+                RolloutClient.save_checkpoint_state(states, folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """`GRPOTrainer._load_optimizer_and_scheduler` (called only when resuming), plus the prompt stream's saved
+        position for this rank's generation process."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            state = RolloutClient.load_checkpoint_state(checkpoint, self.accelerator.process_index)
+            if state is None and async_field(self.args, "async_generation"):
+                logger.warning(
+                    "trl_async: %s has no %s (written by a synchronous run?); the prompt stream restarts from its "
+                    "first batch.", checkpoint, "trl_async_rollout.json"
+                )  # fmt: skip
+            self._rollout.restore(state)
+
     # --------------------------------------------------------------------------------------------- metrics
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """`GRPOTrainer.log`, plus the `async/*` metrics of the logging window. TRL averages every metric over the
+        window; counts (`m2po/all_masked_batches`) are summed instead, and `async/*` are computed for the window."""
+        if self.model.training and self._rollout_started():
+            self._log_async_window()
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for key in _WINDOW_SUMS:
+            if key in metrics:
+                metrics[key] = [sum(metrics[key])]
+        super().log(logs, start_time)
+
+    def _log_async_window(self) -> None:
+        window = self._rollout.window_metrics()
+        keys = list(window)
+        local = torch.tensor([float(window[k]) for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        ranks = gather(local.unsqueeze(0)).view(-1, len(keys))
+        total = dict(zip(keys, ranks.sum(dim=0).tolist(), strict=True))
+        peak = dict(zip(keys, ranks.max(dim=0).values.tolist(), strict=True))
+        num_ranks = ranks.size(0)
+        if not total["batches"] and not total["evicted_rows"]:
+            return  # nothing was trained on since the last log (e.g. the summary logged when training ends)
+        metrics = self._metrics["train"]
+        rows, batches = total["rows"], max(total["batches"], 1.0)
+        if total["batches"]:
+            metrics["async/staleness_mean"] = [total["staleness_row_sum"] / max(rows, 1.0)]
+            metrics["async/staleness_max"] = [peak["staleness_max"]]
+            metrics["async/generate_s"] = [total["generate_s"] / batches]
+            metrics["async/reward_s"] = [total["reward_s"] / batches]
+        metrics["async/evicted"] = [total["evicted_rows"]]
+        metrics["async/evicted_fraction"] = [total["evicted_rows"] / max(total["evicted_rows"] + rows, 1.0)]
+        metrics["async/queue_size"] = [total["queue_size"] / num_ranks]
+        metrics["async/generator_wait_s"] = [total["generator_wait_s"] / num_ranks]
+        metrics["async/trainer_wait_s"] = [total["trainer_wait_s"] / num_ranks]
+        metrics["async/trainer_generated_batches"] = [total["trainer_batches"] / num_ranks]
+
     def _log_completion_lengths(self, prompt_ids: list, completion_ids: list) -> None:
         # The completion metrics of TRL's `_generate`, for rows that did not go through it.
         device, metrics = self.accelerator.device, self._metrics["train"]
@@ -447,33 +566,3 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["completions/mean_terminated_length"].append(terminated.mean().item())
         metrics["completions/min_terminated_length"].append(terminated.min().item())
         metrics["completions/max_terminated_length"].append(terminated.max().item())
-
-    def _log_async_metrics(self, item) -> None:
-        rollout, metrics = self._rollout, self._metrics["train"]
-        stats = rollout.queue.stats()
-        previous, rollout.last_stats = rollout.last_stats, stats
-        local = torch.tensor(
-            [
-                float(item.staleness),
-                float(stats["staleness_max"]),
-                float(stats["evicted_rows"]),
-                float(stats["produced_rows"]),
-                float(rollout.queue.qsize()),
-                stats["generator_wait_s"] - previous["generator_wait_s"],
-                stats["trainer_wait_s"] - previous["trainer_wait_s"],
-                item.payload["generate_s"],
-                item.payload["reward_s"],
-            ],
-            device=self.accelerator.device,
-        )
-        rows = gather(local.unsqueeze(0)).view(-1, local.numel())
-        mean, total, peak = rows.mean(dim=0).tolist(), rows.sum(dim=0).tolist(), rows.max(dim=0).values.tolist()
-        metrics["async/staleness_mean"].append(mean[0])
-        metrics["async/staleness_max"].append(peak[1])
-        metrics["async/evicted"].append(total[2])
-        metrics["async/evicted_fraction"].append(total[2] / max(total[3], 1.0))
-        metrics["async/queue_size"].append(mean[4])
-        metrics["async/generator_wait_s"].append(mean[5])
-        metrics["async/trainer_wait_s"].append(mean[6])
-        metrics["async/generate_s"].append(mean[7])
-        metrics["async/reward_s"].append(mean[8])

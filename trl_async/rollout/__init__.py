@@ -1,7 +1,10 @@
-"""Asynchronous rollout machinery: the staleness-bounded queue, weight publishing, backends and the generator."""
+"""Asynchronous rollout machinery: the staleness-bounded queue, weight publishing, backends, the generation process
+and the trainer-side rollout component that the trainers share."""
 
-from .backends import GenerationBackend, GenerationOutput, HFBackend, ModelSpec
-from .generator import GenerationProcess, GeneratorError, GeneratorSpec
+from .backends import GenerationBackend, GenerationOutput, HFBackend, ModelSpec, generate_with_behaviour_logprobs
+from .client import RolloutBatch, RolloutClient, RolloutSettings
+from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, batch_seed
+from .prompts import PromptStream
 from .queue import QueueClosed, QueueItem, StalenessBoundedQueue, last_use_version
 from .weights import SharedWeightStore
 
@@ -13,9 +16,16 @@ __all__ = [
     "GeneratorSpec",
     "HFBackend",
     "ModelSpec",
+    "PromptStream",
     "QueueClosed",
     "QueueItem",
+    "RolloutBatch",
+    "RolloutClient",
+    "RolloutProducer",
+    "RolloutSettings",
     "SharedWeightStore",
     "StalenessBoundedQueue",
+    "batch_seed",
+    "generate_with_behaviour_logprobs",
     "last_use_version",
 ]

@@ -1,23 +1,31 @@
-"""Generation backends of the rollout process.
+"""Generation backends of the rollout process, and the behaviour log-probs contract.
 
-A backend owns the generator's copy of the policy. Its interface is deliberately small, so that a backend talking to
-a `trl vllm-serve` server can slot in without touching the queue or the trainer:
+A backend owns the generator's copy of the policy. Its interface is deliberately small, so that other engines (a vLLM
+engine in the generation process, a `trl vllm-serve` server) slot in without touching the queue or the trainers:
 
-* `load()` builds the model and applies the start-up weights;
-* `generate(prompt_ids)` samples one completion per prompt row and returns the ids (cut after the first EOS) with the
-  behaviour log-probabilities of the sampled tokens;
-* `update_weights()` swaps in the latest published weights; it is only called between generation batches.
+* `load()` builds the model and applies the start-up weights; returns their version;
+* `generate(prompt_ids, seed)` samples one completion per prompt row and returns the ids (cut after the first EOS) with
+  the behaviour log-probabilities of the sampled tokens;
+* `update_weights()` swaps in the latest published weights; it is only called between generation batches;
+* `close()` releases the engine.
+
+**Behaviour log-probs μ** (DESIGN.md section 2) are the log-probabilities of the sampled tokens under the distribution
+that actually sampled them: the logits after every processor and warper of the generation config (repetition penalty,
+temperature, top-k, top-p, min-p, ...). They are recorded step by step in O(B·L) memory: the vocabulary-sized scores of
+a step are never stacked (`output_logits`/`output_scores` would keep B·L·V floats: ~10 GB for Qwen's 151,936-token
+vocabulary at 64 rows × 256 tokens).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 
 from .weights import SharedWeightStore
 
@@ -54,11 +62,14 @@ class GenerationBackend(abc.ABC):
         """Build the model and load the start-up weights; return their version."""
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput: ...
+    def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput: ...
 
     @abc.abstractmethod
     def update_weights(self) -> int:
         """Swap in the latest published weights (between batches); return their version."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release the engine."""
 
 
 def first_eos_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
@@ -69,19 +80,132 @@ def first_eos_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> to
     return eos_before == 0
 
 
-class _Heartbeat(LogitsProcessor):
-    """Calls `beat()` at every decoding step, so a long generation still shows progress."""
+class _SampledTokenLogprobs(LogitsProcessor):
+    """Records log μ(y_t) of each sampled token, from the fully processed scores that `generate` samples from.
 
-    def __init__(self, beat: Callable[[], None]):
+    It must run LAST (after the warpers; see `_recording_behaviour_logprobs`) and returns the scores unchanged. At step t
+    it keeps a reference to step t's processed scores (which `generate` holds anyway until step t+1) and their
+    log-normalizer; at step t+1 the sampled token y_t is the last column of `input_ids`, and
+    log μ(y_t) = score_t[y_t] − logsumexp(score_t). Memory: one (B,) vector per step, never a (B, L, V) stack.
+    """
+
+    def __init__(self, beat: Callable[[], None] | None = None):
         self.beat = beat
+        self.steps: list[torch.Tensor] = []
+        self._scores = None
+        self._log_normalizer = None
 
-    def __call__(self, input_ids, scores):
-        self.beat()
+    def _record_previous(self, sampled: torch.Tensor) -> None:
+        if self._scores is not None:
+            picked = self._scores.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            self.steps.append((picked - self._log_normalizer).float())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._scores is not None:
+            self._record_previous(input_ids[:, -1])
+        self._scores = scores
+        self._log_normalizer = torch.logsumexp(scores, dim=-1)
+        if self.beat is not None:
+            self.beat()
         return scores
+
+    def finish(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-probs of the (B, L) completion `generate` returned."""
+        num_tokens = completion_ids.size(1)
+        if num_tokens == 0:
+            return torch.zeros(completion_ids.shape, device=completion_ids.device)
+        self._record_previous(completion_ids[:, -1])
+        self._scores = self._log_normalizer = None
+        # `generate` may run a step past the end and undo it (deferred stop checks): keep the first L steps.
+        return torch.stack(self.steps[:num_tokens], dim=1)
+
+
+def _generation_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose `generate` builds the logits processors (inside DDP and PEFT wrappers)."""
+    model = getattr(model, "module", model)  # DDP
+    if hasattr(model, "get_base_model"):  # PEFT: PeftModel.generate delegates to the base transformers model
+        model = model.get_base_model()
+    return model
+
+
+@contextlib.contextmanager
+def _recording_behaviour_logprobs(model: torch.nn.Module, recorder: _SampledTokenLogprobs):
+    """Append `recorder` after every processor and warper that `generate` builds for this model.
+
+    transformers merges user `logits_processor`s *before* its warpers (temperature, top-k, top-p, min-p), so a user
+    processor would see unwarped scores. Wrapping this model instance's `_get_logits_processor` (only for this call)
+    puts the recorder at the very end, where it sees exactly the scores `generate` samples from.
+    """
+    target = _generation_model(model)
+    build_processors = target._get_logits_processor
+
+    def with_recorder(*args, **kwargs):
+        processors = build_processors(*args, **kwargs)
+        processors.append(recorder)
+        return processors
+
+    target._get_logits_processor = with_recorder
+    try:
+        yield
+    finally:
+        del target._get_logits_processor  # back to the class's method
+
+
+def generation_config_for_rollouts(generation_config: GenerationConfig) -> GenerationConfig:
+    """Our copy of TRL's generation config: the KV cache on (trainers switch `use_cache` off for training; without
+    it generation is quadratic, 10x slower here), plain tensors out (μ is recorded, nothing vocabulary-sized kept)."""
+    config = copy.deepcopy(generation_config)
+    config.use_cache = True
+    config.return_dict_in_generate = False
+    config.output_logits = False
+    config.output_scores = False
+    return config
+
+
+@torch.no_grad()
+def generate_with_behaviour_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    generation_config: GenerationConfig,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    device: torch.device | str,
+    seed: int | None = None,
+    heartbeat: Callable[[], None] | None = None,
+) -> GenerationOutput:
+    """Sample one completion per prompt with transformers `generate`, recording μ of every sampled token.
+
+    `seed` seeds the sampling of this batch only (the caller's RNG state is restored afterwards), so a batch is a
+    function of (weights, prompts, seed) wherever it is generated: in the generation process or in the trainer.
+    """
+    device = torch.device(device)
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):  # left padding, as TRL does for generation
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    recorder = _SampledTokenLogprobs(heartbeat)
+    cuda_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), _recording_behaviour_logprobs(model, recorder):
+        if seed is not None:
+            torch.manual_seed(seed)
+        sequences = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=generation_config,
+        )
+    completion_ids = sequences[:, width:]
+    logprobs = recorder.finish(completion_ids)
+    mask = first_eos_mask(completion_ids, eos_token_ids)
+    completion_ids = completion_ids.masked_fill(~mask, pad_token_id)
+    # Positions after the first EOS are padding: their recorded value is meaningless (possibly -inf).
+    logprobs = torch.where(mask, logprobs.to(mask.device), torch.zeros((), device=mask.device))
+    return GenerationOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs)
 
 
 class HFBackend(GenerationBackend):
-    """transformers `generate`, on any device, CPU included."""
+    """transformers `generate` on the generator's own copy of the policy, on any device, CPU included."""
 
     name = "hf"
 
@@ -100,12 +224,7 @@ class HFBackend(GenerationBackend):
         self.model_spec = model_spec
         self.frozen_store = frozen_store
         self.trainable_store = trainable_store
-        # Our own copy, asking `generate` for the raw logits of every step (the behaviour log-probs need them).
-        self.generation_config = copy.deepcopy(generation_config)
-        self.generation_config.output_logits = True
-        self.generation_config.return_dict_in_generate = True
-        # Trainers switch `use_cache` off for training; generating without a KV cache is quadratic (10x slower here).
-        self.generation_config.use_cache = True
+        self.generation_config = generation_config_for_rollouts(generation_config)
         self.temperature = temperature
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -143,31 +262,27 @@ class HFBackend(GenerationBackend):
             self.version = self.trainable_store.read_into(self._params)
         return self.version
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]]) -> GenerationOutput:
-        width = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for row, ids in enumerate(prompt_ids):  # left padding, as TRL does for generation
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[row, width - len(ids) :] = 1
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=self.generation_config,
-            logits_processor=LogitsProcessorList([_Heartbeat(self.heartbeat)]),
+    def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput:
+        return generate_with_behaviour_logprobs(
+            self.model,
+            prompt_ids,
+            self.generation_config,
+            self.eos_token_ids,
+            self.pad_token_id,
+            self.device,
+            seed=seed,
+            heartbeat=self.heartbeat,
         )
-        completion_ids = out.sequences[:, width:]
-        # Behaviour log-probs under the trainer's own scaling: log_softmax(raw logits / temperature), as TRL's
-        # `_get_per_token_logps_and_entropies` computes them. `output_logits` are the raw logits (before processors).
-        logits = torch.stack(out.logits, dim=1).float() / self.temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        mask = first_eos_mask(completion_ids, self.eos_token_ids)
-        completion_ids = completion_ids.masked_fill(~mask, self.pad_token_id)
-        return GenerationOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs * mask)
+
+
+BACKENDS: dict[str, type[GenerationBackend]] = {"hf": HFBackend}
 
 
 def make_backend(name: str, **kwargs) -> GenerationBackend:
-    if name == "hf":
-        return HFBackend(**kwargs)
-    raise ValueError(f"Unknown generation backend {name!r}.")
+    if name == "vllm" and name not in BACKENDS:
+        from .vllm_backend import VLLMBackend  # imported lazily: vLLM is an optional dependency
+
+        BACKENDS["vllm"] = VLLMBackend
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown generation backend {name!r}; use one of {sorted(BACKENDS)}.")
+    return BACKENDS[name](**kwargs)

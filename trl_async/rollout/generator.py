@@ -1,36 +1,42 @@
 """The generation process: a real OS process per training rank, started, placed and stopped by the trainer.
 
-Child side (`_generator_main` → `RolloutWorker.run`): for each generation batch it takes a slot from the
-staleness-bounded queue (the gate), swaps in the newest published weights, samples completions with behaviour
-log-probs, scores them with the reward functions (tensor-native ones on its device without decoding; text ones after
-one decode) and enqueues the batch tagged with the weights version.
+`RolloutProducer` makes one generation batch: it takes that batch's rows from the prompt stream, tokenizes the prompts
+as TRL does, samples completions with behaviour log-probs, scores them with the reward callables (tensor-native ones
+on the ids, without decoding; text ones after one decode) and returns the payload the trainer consumes. The generation
+process runs it in a loop (`_generator_main`); the trainer runs the very same code on its own model for the first
+batches of a run, while the generation process is still starting (see `trl_async.rollout.client`).
 
-Trainer side (`GenerationProcess`): starts the child without re-running the user's `__main__` (so scripts with no
-`if __name__ == "__main__"` guard still work), waits for it to be ready, checks its health while the trainer waits
-on the queue, and stops it on every exit path. The child also watches its parent and exits if the parent is gone,
-so it never outlives the trainer.
+The generation process is seeded per batch from (`seed`, its process index, the batch's position in the stream), as
+TRL seeds ranks: a batch is a function of the weights, the prompts and that seed, wherever it is generated.
+
+Trainer side (`GenerationProcess`): starts the child without re-running the user's `__main__` (so scripts without an
+`if __name__ == "__main__"` guard still work), and checks its health: a traceback it reported, an exit (SIGKILL
+included), or no heartbeat for `heartbeat_timeout`. Nothing is shared with the child that the child could leave held:
+control flags and counters are single-writer shared integers, errors travel as files. The child watches its parent
+and exits if the parent is gone, so it never outlives the trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import multiprocessing.spawn as mp_spawn
 import os
-import queue as std_queue
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections import defaultdict
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.multiprocessing as torch_mp
 
-from .backends import ModelSpec, make_backend
-from .prompts import local_generation_batches
+from .backends import GenerationOutput, ModelSpec, make_backend
+from .prompts import PromptStream
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
@@ -41,10 +47,16 @@ class GeneratorError(RuntimeError):
     """The generation process failed; the message carries its traceback or exit status."""
 
 
+def batch_seed(seed: int, process_index: int, stream_index: int) -> int:
+    """The sampling seed of one generation batch: distinct per rank and per batch, reproducible from `seed`."""
+    digest = hashlib.blake2b(f"{seed}/{process_index}/{stream_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 @dataclasses.dataclass
 class GeneratorSpec:
-    """Everything the child needs besides the shared-memory objects. Serialized with cloudpickle, so reward
-    functions defined in the user's `__main__` travel by value."""
+    """Everything a producer needs besides the model and the shared-memory objects. Serialized with cloudpickle, so
+    reward functions defined in the user's `__main__` travel by value."""
 
     process_index: int
     num_processes: int
@@ -62,26 +74,179 @@ class GeneratorSpec:
     dataset: Any
     num_generations: int
     generation_batch_size: int
-    repeat_count: int
     shuffle: bool
     seed: int
-    reward_funcs: list
+    reward_funcs: list  # reward callables; `None` where the trainer scores the function (reward models)
     reward_func_names: list[str]
-    decode_completions: bool  # also decode when no text reward needs it (completion logging)
+    decode: bool  # decode even when no text reward needs it (completion logging, reward models)
     parent_pid: int
+    stream_offset: int = 0  # position of queue item 0 in the prompt stream (a resumed run starts later)
+    columns: list[str] | None = None  # dataset columns to keep (None: all)
+    backend_options: dict = dataclasses.field(default_factory=dict)
+
+
+def is_conversational_prompt(prompt) -> bool:
+    """`trl.data_utils.is_conversational({"prompt": prompt})` (a list of messages with roles), without importing TRL
+    in the generation process; `tests/test_prompts.py` checks that both agree."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+class RolloutProducer:
+    """Makes generation batches: prompts from the stream → completions, μ, rewards (the child and the trainer)."""
+
+    def __init__(self, spec: GeneratorSpec, generate, trainer_state=None):
+        self.spec = spec
+        self.generate = generate  # (prompt_ids, seed) -> GenerationOutput
+        self.tokenizer = spec.processing_class
+        self.trainer_state = trainer_state  # () -> TrainerState snapshot or None
+        self.stream = PromptStream(
+            spec.dataset,
+            num_generations=spec.num_generations,
+            generation_batch_size=spec.generation_batch_size,
+            shuffle=spec.shuffle,
+            seed=spec.seed,
+            process_index=spec.process_index,
+            num_processes=spec.num_processes,
+            columns=spec.columns,
+        )
+
+    def _tokenize(self, prompts: list) -> list[list[int]]:
+        # TRL's `GRPOTrainer._tokenize_prompts`, text-only path (no tools: tools are refused with async generation).
+        if is_conversational_prompt(prompts[0]):
+            return list(
+                self.tokenizer.apply_chat_template(
+                    conversation=prompts,
+                    chat_template=self.spec.chat_template,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    **self.spec.chat_template_kwargs,
+                )["input_ids"]
+            )
+        return list(self.tokenizer(text=prompts)["input_ids"])
+
+    def _decode(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], conversational: bool) -> list:
+        # TRL's `GRPOTrainer._generate` decoding: `parse_response` where the tokenizer defines a response format.
+        if conversational:
+            if getattr(self.tokenizer, "response_template", None) is not None or (
+                getattr(self.tokenizer, "response_schema", None) is not None
+            ):
+                from trl.chat_template_utils import parse_response
+
+                return [
+                    [parse_response(self.tokenizer, ids, prefix=prompt_ids[i], tools=None)]
+                    for i, ids in enumerate(completion_ids)
+                ]
+            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    def produce(self, queue_index: int) -> dict:
+        """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`)."""
+        from trl_async.rewards import score_completions
+
+        spec = self.spec
+        stream_index = spec.stream_offset + queue_index
+        rows = self.stream.rows(stream_index)
+        prompts = [row["prompt"] for row in rows]
+        conversational = is_conversational_prompt(prompts[0])
+        t0 = time.perf_counter()
+        prompt_ids = [list(p) for p in self._tokenize(prompts)]
+        generated: GenerationOutput = self.generate(
+            prompt_ids, batch_seed(spec.seed, spec.process_index, stream_index)
+        )
+        completion_ids, logprobs = generated.to_lists()
+        t1 = time.perf_counter()
+        decode = _DecodeOnce(lambda: self._decode(prompt_ids, completion_ids, conversational))
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        extra_logs: dict[str, list] = defaultdict(list)
+        logged_metrics: dict[str, list] = defaultdict(list)
+        callables = [f for f in spec.reward_funcs if f is not None]
+        rewards = torch.full((len(rows), len(spec.reward_funcs)), float("nan"))
+        if callables:
+            scored = score_completions(
+                callables,
+                generated.completion_ids,
+                generated.completion_mask,
+                columns,
+                prompts=prompts,
+                decode=decode,
+                reward_func_names=[n for f, n in zip(spec.reward_funcs, spec.reward_func_names, strict=True) if f],
+                extra_kwargs={
+                    "trainer_state": self.trainer_state() if self.trainer_state is not None else None,
+                    "log_extra": lambda column, values: extra_logs[column].extend(values),
+                    "log_metric": lambda name, value: logged_metrics[name].append(value),
+                },
+            ).cpu()
+            positions = [i for i, f in enumerate(spec.reward_funcs) if f is not None]
+            rewards[:, positions] = scored
+        if spec.decode:
+            decode()
+        t2 = time.perf_counter()
+        return {
+            "rows": rows,
+            "stream_index": stream_index,
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": logprobs,
+            "rewards_per_func": rewards,
+            "completions": decode.result,
+            "extra_logs": dict(extra_logs),
+            "logged_metrics": dict(logged_metrics),
+            "generate_s": t1 - t0,
+            "reward_s": t2 - t1,
+        }
+
+
+class _DecodeOnce:
+    """Decodes a batch on first call only; text rewards share the result, tensor rewards never trigger it."""
+
+    def __init__(self, decode):
+        self._decode, self.result = decode, None
+
+    def __call__(self):
+        if self.result is None:
+            self.result = self._decode()
+        return self.result
+
+
+# ------------------------------------------------------------------------------------------------------ control
+_CONTROL_FIELDS = ("ready", "stop", "heartbeat")  # ready, heartbeat: written by the child; stop: by the trainer
 
 
 class _Control:
-    """Shared flags between the trainer and its generator."""
+    """Single-writer shared flags between the trainer and its generator (no locks: see the module docstring)."""
 
-    def __init__(self, ctx):
-        self.ready = ctx.Event()
-        self.stop = ctx.Event()
-        self.heartbeat = ctx.RawValue("d", time.time())
-        self.errors = ctx.Queue()
+    def __init__(self, ctx, error_path: str):
+        self._array = ctx.RawArray("d", len(_CONTROL_FIELDS))
+        self._array[2] = time.time()
+        self.error_path = error_path
+
+    ready = property(lambda self: bool(self._array[0]))
+    stop_requested = property(lambda self: bool(self._array[1]))
+    heartbeat = property(lambda self: self._array[2])
+
+    def set_ready(self):
+        self._array[0] = 1.0
+
+    def request_stop(self):
+        self._array[1] = 1.0
 
     def beat(self):
-        self.heartbeat.value = time.time()
+        self._array[2] = time.time()
+
+    def report_error(self, text: str) -> None:
+        temporary = f"{self.error_path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            f.write(text)
+        os.rename(temporary, self.error_path)
+
+    def read_error(self) -> str | None:
+        try:
+            with open(self.error_path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
 
 # ------------------------------------------------------------------------------------------------------ child side
@@ -102,16 +267,39 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="trl-async-parent-watch").start()
 
 
-class RolloutWorker:
-    def __init__(self, spec: GeneratorSpec, rollout_queue, frozen_store, trainable_store, control: _Control):
-        from trl.data_utils import is_conversational
+def _trainer_state_reader(path: str):
+    """Reads the trainer-state snapshot the trainer publishes with each weights version (see RolloutClient)."""
+    from transformers import TrainerState
 
-        self.spec = spec
-        self.queue = rollout_queue
-        self.control = control
-        self.tokenizer = spec.processing_class
-        self._is_conversational = is_conversational
-        self.backend = make_backend(
+    cache = {"mtime": None, "state": None}
+
+    def read():
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if mtime != cache["mtime"]:
+            cache["state"], cache["mtime"] = TrainerState.load_from_json(path), mtime
+        return cache["state"]
+
+    return read
+
+
+def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control) -> None:
+    backend = None
+    try:
+        for name in _DISTRIBUTED_ENV:  # the child is not a member of the trainer's process group
+            os.environ.pop(name, None)
+        spec: GeneratorSpec = cloudpickle.loads(spec_blob)
+        _die_with_parent(spec.parent_pid)
+        torch.set_num_threads(spec.num_threads)
+
+        def beat_or_stop():
+            control.beat()
+            if control.stop_requested:
+                raise QueueClosed("stop requested")
+
+        backend = make_backend(
             spec.backend,
             model_spec=spec.model_spec,
             frozen_store=frozen_store,
@@ -122,124 +310,29 @@ class RolloutWorker:
             pad_token_id=spec.pad_token_id,
             device=spec.device,
             heartbeat=control.beat,
+            **spec.backend_options,
         )
-
-    def _tokenize(self, prompts: list) -> list[list[int]]:
-        # The same call as TRL's `GRPOTrainer._tokenize_prompts` (text-only path).
-        if self._is_conversational({"prompt": prompts[0]}):
-            return self.tokenizer.apply_chat_template(
-                conversation=prompts,
-                chat_template=self.spec.chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **self.spec.chat_template_kwargs,
-            )["input_ids"]
-        return self.tokenizer(text=prompts)["input_ids"]
-
-    def _decode(self, completion_ids: list[list[int]], conversational: bool) -> list:
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if conversational:
-            return [[{"role": "assistant", "content": text}] for text in texts]
-        return texts
-
-    def run(self) -> None:
-        from trl_async.rewards import score_completions
-
-        spec = self.spec
-        version = self.backend.load()
-        self.control.ready.set()
-        batches = local_generation_batches(
-            num_prompts=len(spec.dataset),
-            num_generations=spec.num_generations,
-            generation_batch_size=spec.generation_batch_size,
-            repeat_count=spec.repeat_count,
-            shuffle=spec.shuffle,
-            seed=spec.seed,
-            process_index=spec.process_index,
-            num_processes=spec.num_processes,
-        )
-        store = self.backend.trainable_store
-        while not self.control.stop.is_set():
-            index, min_version = self.queue.reserve(on_wait=self._beat_or_stop)
-            if store.version < min_version:
-                store.wait_for_version(min_version, on_wait=self._beat_or_stop)
-            version = self.backend.update_weights()
-            rows = next(batches)
-            columns = spec.dataset[rows]
-            prompts = columns.pop("prompt")
-            conversational = self._is_conversational({"prompt": prompts[0]})
-            t0 = time.perf_counter()
-            prompt_ids = self._tokenize(prompts)
-            generated = self.backend.generate(prompt_ids)
-            completion_ids, logprobs = generated.to_lists()
-            t1 = time.perf_counter()
-            decode = _DecodeOnce(self._decode, completion_ids, conversational)
-            for key in ("completion", "completion_ids"):
-                columns.pop(key, None)
-            rewards_per_func = score_completions(
-                spec.reward_funcs,
-                generated.completion_ids,
-                generated.completion_mask,
-                columns,
-                prompts=prompts,
-                decode=decode,
-                reward_func_names=spec.reward_func_names,
-                extra_kwargs={"trainer_state": None, "log_extra": _ignore, "log_metric": _ignore},
-            )
-            if spec.decode_completions:
-                decode()
-            t2 = time.perf_counter()
-            payload = {
-                "prompts": prompts,
-                "prompt_ids": [list(p) for p in prompt_ids],
-                "completion_ids": completion_ids,
-                "logprobs": logprobs,
-                "rewards_per_func": rewards_per_func.detach().float().cpu(),
-                "completions": decode.result,
-                "generate_s": t1 - t0,
-                "reward_s": t2 - t1,
-            }
-            self.queue.put(index, version, payload, num_rows=len(rows))
-            self.control.beat()
-
-    def _beat_or_stop(self) -> None:
-        self.control.beat()
-        if self.control.stop.is_set():
-            raise QueueClosed("stop requested")
-
-
-class _DecodeOnce:
-    """Decodes a batch on first call only; text rewards share the result, tensor rewards never trigger it."""
-
-    def __init__(self, decode, completion_ids, conversational):
-        self._decode, self._args, self.result = decode, (completion_ids, conversational), None
-
-    def __call__(self):
-        if self.result is None:
-            self.result = self._decode(*self._args)
-        return self.result
-
-
-def _ignore(*args, **kwargs) -> None:
-    return None
-
-
-def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control) -> None:
-    try:
-        for name in _DISTRIBUTED_ENV:  # the child is not a member of the trainer's process group
-            os.environ.pop(name, None)
-        spec: GeneratorSpec = cloudpickle.loads(spec_blob)
-        _die_with_parent(spec.parent_pid)
-        torch.set_num_threads(spec.num_threads)
-        RolloutWorker(spec, rollout_queue, frozen_store, trainable_store, control).run()
+        backend.load()
+        state_path = os.path.join(rollout_queue.spool_dir, "trainer_state.json")
+        producer = RolloutProducer(spec, backend.generate, trainer_state=_trainer_state_reader(state_path))
+        control.set_ready()
+        while not control.stop_requested:
+            index, min_version = rollout_queue.reserve(on_wait=beat_or_stop)
+            if trainable_store.version < min_version:
+                trainable_store.wait_for_version(min_version, on_wait=beat_or_stop)
+            version = backend.update_weights()
+            payload = producer.produce(index)
+            rollout_queue.put(index, version, payload, num_rows=len(payload["rows"]))
+            control.beat()
     except QueueClosed:
         return
     except BaseException:
-        control.errors.put(traceback.format_exc())
-        control.errors.close()
-        control.errors.join_thread()
+        control.report_error(traceback.format_exc())
         sys.exit(1)
+    finally:
+        if backend is not None:
+            with contextlib.suppress(Exception):
+                backend.close()
 
 
 # ---------------------------------------------------------------------------------------------------- trainer side
@@ -263,7 +356,7 @@ def _spawn_without_main_module():
 
 
 class GenerationProcess:
-    """Trainer-side handle of one generation process."""
+    """Trainer-side handle of one generation process. `start()` returns at once; `ready` tells when it can serve."""
 
     def __init__(
         self,
@@ -282,13 +375,17 @@ class GenerationProcess:
         self.trainable_store = trainable_store
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
-        self.control = _Control(self.ctx)
+        self.control = _Control(self.ctx, os.path.join(rollout_queue.spool_dir, "generator-error.txt"))
         self.process = None
-        self._error: str | None = None
+        self.started_at: float | None = None
 
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
+
+    @property
+    def ready(self) -> bool:
+        return self.control.ready
 
     def start(self) -> None:
         blob = cloudpickle.dumps(self.spec)
@@ -300,37 +397,35 @@ class GenerationProcess:
         )
         with _spawn_without_main_module():
             self.process.start()
-        deadline = time.time() + self.startup_timeout
-        while not self.control.ready.wait(0.2):
-            self.check_health(startup=True)
-            if time.time() > deadline:
-                self.stop()
+        self.started_at = time.time()
+
+    def check_health(self) -> None:
+        """Raise `GeneratorError` if the child raised, exited, stopped making progress or never became ready."""
+        if self.process is None:
+            return
+        error = self.control.read_error()
+        if error is None and not self.process.is_alive():
+            deadline = time.time() + 2.0  # a traceback may be on its way (the child reports, then exits)
+            while error is None and time.time() < deadline:
+                time.sleep(0.05)
+                error = self.control.read_error()
+            if error is None:
+                raise GeneratorError(
+                    f"The generation process (pid {self.pid}) exited with code {self.process.exitcode} without "
+                    "reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
+                )
+        if error is not None:
+            raise GeneratorError(f"The generation process (pid {self.pid}) failed:\n{error}")
+        now = time.time()
+        if not self.ready:
+            if now - self.started_at > self.startup_timeout:
                 raise GeneratorError(
                     f"The generation process (pid {self.pid}) did not become ready within "
                     f"generator_startup_timeout={self.startup_timeout:.0f}s (loading a large model? raise it)."
                 )
-        self.control.beat()
-
-    def _child_traceback(self, wait_s: float = 0.0) -> str | None:
-        if self._error is None:
-            with contextlib.suppress(std_queue.Empty):
-                self._error = self.control.errors.get(timeout=wait_s) if wait_s else self.control.errors.get_nowait()
-        return self._error
-
-    def check_health(self, startup: bool = False) -> None:
-        """Raise `GeneratorError` if the child raised, exited or stopped making progress."""
-        error = self._child_traceback()
-        if error is None and self.process is not None and not self.process.is_alive():
-            error = self._child_traceback(wait_s=2.0)  # its traceback may still be in flight
-            if error is None:
-                raise GeneratorError(
-                    f"The generation process (pid {self.pid}) exited with code {self.process.exitcode} without "
-                    "reporting an error (killed by the OS, e.g. out of memory?)."
-                )
-        if error is not None:
-            raise GeneratorError(f"The generation process (pid {self.pid}) failed:\n{error}")
-        silent_s = time.time() - self.control.heartbeat.value
-        if not startup and silent_s > self.heartbeat_timeout:
+            return
+        silent_s = now - self.control.heartbeat
+        if silent_s > self.heartbeat_timeout:
             raise GeneratorError(
                 f"The generation process (pid {self.pid}) showed no progress for {silent_s:.0f}s "
                 f"(generator_heartbeat_timeout={self.heartbeat_timeout:.0f}s); it is presumed hung."
@@ -340,7 +435,7 @@ class GenerationProcess:
         """Stop the child on every path; escalate from a polite stop to SIGTERM to SIGKILL."""
         if self.process is None:
             return
-        self.control.stop.set()
+        self.control.request_stop()
         self.queue.close()
         self.process.join(timeout)
         if self.process.is_alive():

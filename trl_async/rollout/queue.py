@@ -4,23 +4,33 @@ Every item carries the policy version of the weights that generated it. Two rule
 
 * **Gate** (producer side). Item n will last be used at version `last_use_version(n)`. Before generating it, the
   producer waits until weights of at least version `last_use_version(n) - max_staleness` are published, so in steady
-  state nothing it makes is too old when consumed, and nothing is wasted.
-* If the consumer is already waiting for item n at an earlier version than the schedule predicted (for example
-  after an eviction), the gate follows the consumer's real version instead: a wrong prediction can cost slack,
-  never a deadlock.
-* **Evict** (consumer side). When an item is dequeued, its staleness is measured against the version at which the
+  state nothing it makes is too old when consumed, and nothing is wasted. Evicted items shift the schedule: the item
+  after an eviction is used where the evicted one would have been.
+* If the consumer is already waiting for item n at an earlier version than the schedule predicted, the gate follows
+  the consumer's real version instead: a wrong prediction can cost slack, never a deadlock.
+* **Evict** (consumer side). When an item is taken, its staleness is measured against the version at which the
   consumer will actually use it. An item older than `max_staleness` is dropped and counted. This is the hard
-  guarantee: it holds even if the gate's schedule was wrong (a resumed run, a consumer that skipped ahead).
+  guarantee: it holds even if the gate's schedule was wrong. With several data-parallel ranks, `get(agree=...)` lets
+  the ranks take the same decision (an item is dropped everywhere if it is too old anywhere), so that the batches the
+  ranks train on together stay aligned.
 
-The queue is made from `multiprocessing` primitives of one context (spawn by default), so it can be handed to a
-child process as a `Process` argument. It is usable on its own; the trainers use it with one producer (the
-generation process of a rank) and one consumer (that rank's trainer).
+**No cross-process lock, condition or pipe.** Each shared counter has exactly one writer (the producer or the
+consumer), and both sides poll. Items travel as files in a spool directory (in `/dev/shm` where available), written to
+a temporary name and renamed, so a reader never sees half an item. A producer killed at any moment, SIGKILL included,
+can leave nothing that the consumer would block on: the consumer's waits poll and call `on_wait`, which is where the
+trainer checks the producer's health.
+
+The queue is usable on its own. The trainers use it with one producer (the generation process of a rank) and one
+consumer (that rank's trainer). The consumer creates it and owns the spool directory (`cleanup()` removes it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue as std_queue
+import os
+import pickle
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +58,74 @@ class QueueClosed(RuntimeError):
     """Raised on either side once `close()` was called."""
 
 
+# Shared counters. "C" fields are written by the consumer only, "P" fields by the producer only.
+_FIELDS = (
+    "published",  # C: newest weights version published
+    "start_index",  # C: first index the producer may generate (-1: not yet); see `open`
+    "consumed",  # C: items taken by the consumer (used or evicted)
+    "waiting_index",  # C: index the consumer is blocked on, -1 if none
+    "waiting_last_use",  # C: the version at which it will use that item
+    "closed",  # C: 1 once closed
+    "evicted_items",  # C
+    "evicted_rows",  # C
+    "used_items",  # C
+    "used_rows",  # C
+    "staleness_row_sum",  # C
+    "staleness_max",  # C
+    "trainer_wait_s",  # C
+    "reserved",  # P: next index the producer will generate (items reserved so far)
+    "produced",  # P: items put (they are put in index order)
+    "produced_rows",  # P
+    "generator_wait_s",  # P
+)
+_SLOT = {name: i for i, name in enumerate(_FIELDS)}
+
+
+class _Counters:
+    """Named float64 slots in one shared array (integers are exact up to 2^53)."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_array", ctx.RawArray("d", len(_FIELDS)))
+
+    def __getattr__(self, name):
+        if name not in _SLOT:
+            raise AttributeError(name)
+        return self._array[_SLOT[name]]
+
+    def __getstate__(self):
+        return self._array
+
+    def __setstate__(self, array):
+        object.__setattr__(self, "_array", array)
+
+    def __setattr__(self, name, value):
+        self._array[_SLOT[name]] = value
+
+
+class _Poller:
+    """Sleeps with a short backoff and calls `on_wait` about every 0.2 s."""
+
+    def __init__(self, on_wait: Callable[[], None] | None, timeout: float | None, describe: Callable[[], str]):
+        self.start = time.perf_counter()
+        self.last_callback = self.start
+        self.on_wait, self.timeout, self.describe = on_wait, timeout, describe
+        self.sleep_s = 0.0002
+
+    def wait(self) -> None:
+        now = time.perf_counter()
+        if self.timeout is not None and now - self.start >= self.timeout:
+            raise TimeoutError(self.describe())
+        if self.on_wait is not None and now - self.last_callback >= 0.2:
+            self.last_callback = now
+            self.on_wait()
+        time.sleep(self.sleep_s)
+        self.sleep_s = min(self.sleep_s * 2, 0.01)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
 class StalenessBoundedQueue:
     """FIFO of versioned items with a staleness gate for the producer and eviction for the consumer.
 
@@ -58,7 +136,10 @@ class StalenessBoundedQueue:
             micro_steps_per_item).
         micro_steps_per_item, micro_steps_per_version, base_version: the consumer's schedule, used by the gate to
             predict the version at which each item will be used (see `last_use_version`).
-        mp_context: a multiprocessing context or its name; items pickled across it must be picklable there.
+        mp_context: a multiprocessing context or its name.
+        start_index: the first index the producer generates. `None` defers it: the producer waits until the consumer
+            calls `open(index)` (the trainer produces the first items itself while the generator starts).
+        spool_dir: where items are written; default a new directory in `/dev/shm` (else the system temp dir).
     """
 
     def __init__(
@@ -69,189 +150,221 @@ class StalenessBoundedQueue:
         micro_steps_per_version: int = 1,
         base_version: int = 0,
         mp_context="spawn",
+        start_index: int | None = 0,
+        spool_dir: str | None = None,
     ):
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}.")
+        if micro_steps_per_item < 1 or micro_steps_per_version < 1:
+            raise ValueError("micro_steps_per_item and micro_steps_per_version must be >= 1.")
         if capacity is None:
             capacity = max(1, -(-(max_staleness + 1) * micro_steps_per_version // micro_steps_per_item))
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}.")
-        if micro_steps_per_item < 1 or micro_steps_per_version < 1:
-            raise ValueError("micro_steps_per_item and micro_steps_per_version must be >= 1.")
         ctx = torch_mp.get_context(mp_context) if isinstance(mp_context, str) else mp_context
         self.max_staleness = max_staleness
         self.capacity = capacity
         self.micro_steps_per_item = micro_steps_per_item
         self.micro_steps_per_version = micro_steps_per_version
         self.base_version = base_version
-        self._cond = ctx.Condition()
-        self._items = ctx.Queue()
-        # All counters are guarded by self._cond's lock.
-        self._published = ctx.RawValue("q", base_version - 1)
-        self._reserved = ctx.RawValue("q", 0)
-        self._consumed = ctx.RawValue("q", 0)
-        self._closed = ctx.RawValue("b", False)
-        # While the consumer blocks in `get`, the index it waits for and that item's real last-use version: the gate
-        # then never asks for weights newer than the consumer has, so a mispredicted schedule cannot deadlock.
-        self._waiting_index = ctx.RawValue("q", -1)
-        self._waiting_last_use = ctx.RawValue("q", 0)
-        self._produced_rows = ctx.RawValue("q", 0)
-        self._used_rows = ctx.RawValue("q", 0)
-        self._used_items = ctx.RawValue("q", 0)
-        self._evicted_rows = ctx.RawValue("q", 0)
-        self._evicted_items = ctx.RawValue("q", 0)
-        self._staleness_row_sum = ctx.RawValue("q", 0)
-        self._staleness_max = ctx.RawValue("q", 0)
-        self._generator_wait_s = ctx.RawValue("d", 0.0)
-        self._trainer_wait_s = ctx.RawValue("d", 0.0)
+        self.spool_dir = spool_dir or _make_spool_dir()
+        self._owner_pid = os.getpid()
+        self._counters = _Counters(ctx)
+        c = self._counters
+        c.published = base_version - 1
+        c.start_index = -1
+        c.waiting_index = -1
+        c.reserved = -1
+        if start_index is not None:
+            self.open(start_index)
 
     # ----------------------------------------------------------------------------------------------- schedule
     def last_use_version(self, index: int) -> int:
-        return last_use_version(index, self.micro_steps_per_item, self.micro_steps_per_version, self.base_version)
+        # Each evicted item shifts the later ones one slot earlier in the consumer's schedule.
+        slot = max(0, index - int(self._counters.evicted_items))
+        return last_use_version(slot, self.micro_steps_per_item, self.micro_steps_per_version, self.base_version)
 
     def min_generation_version(self, index: int) -> int:
         """Oldest weights version allowed to generate item `index`."""
         return self.last_use_version(index) - self.max_staleness
 
     # ----------------------------------------------------------------------------------------------- producer
-    def reserve(
-        self,
-        timeout: float | None = None,
-        on_wait: Callable[[], None] | None = None,
-        poll_s: float = 0.2,
-    ) -> tuple[int, int]:
+    def reserve(self, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> tuple[int, int]:
         """Block until the next item may be generated; return `(index, min_version)`.
 
         The producer must then generate item `index` with weights of version >= `min_version` (they are published
-        by then) and `put` it. Time spent blocked here is the generator's wait on the gate.
+        by then) and `put` it. Time spent here is the generator's wait on the gate.
         """
-        start = time.perf_counter()
-        deadline = None if timeout is None else start + timeout
-        with self._cond:
+        c = self._counters
+        poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved)))
+        try:
             while True:
-                if self._closed.value:
+                if c.closed:
                     raise QueueClosed("the queue was closed")
-                index = self._reserved.value
-                min_version = self.min_generation_version(index)
-                if self._waiting_index.value == index:
-                    min_version = min(min_version, self._waiting_last_use.value - self.max_staleness)
-                has_room = index - self._consumed.value < self.capacity
-                if has_room and self._published.value >= min_version:
-                    self._reserved.value = index + 1
-                    self._generator_wait_s.value += time.perf_counter() - start
-                    return index, min_version
-                if deadline is not None and time.perf_counter() >= deadline:
-                    raise TimeoutError(
-                        f"item {index} needs weights >= v{min_version} (published: v{self._published.value}) and "
-                        f"room in the queue ({index - self._consumed.value}/{self.capacity} outstanding)"
-                    )
-                self._cond.wait(poll_s)
-                if on_wait is not None:
-                    on_wait()
+                if c.start_index >= 0:
+                    if c.reserved < c.start_index:
+                        c.reserved = c.start_index
+                    index = int(c.reserved)
+                    min_version = self.min_generation_version(index)
+                    if c.waiting_index == index:
+                        min_version = min(min_version, int(c.waiting_last_use) - self.max_staleness)
+                    if index - c.consumed < self.capacity and c.published >= min_version:
+                        c.reserved = index + 1
+                        return index, min_version
+                poller.wait()
+        finally:
+            c.generator_wait_s += poller.elapsed
+
+    def _gate_state(self, index: int) -> str:
+        c = self._counters
+        if c.start_index < 0:
+            return "the consumer has not opened the queue"
+        return (
+            f"item {index} needs weights >= v{self.min_generation_version(index)} (published: v{int(c.published)}) "
+            f"and room in the queue ({int(index - c.consumed)}/{self.capacity} outstanding)"
+        )
 
     def put(self, index: int, version: int, payload: Any, num_rows: int = 1) -> None:
-        """Enqueue item `index` (from `reserve`), generated by weights of `version`."""
-        with self._cond:
-            if self._closed.value:
-                raise QueueClosed("the queue was closed")
-            self._produced_rows.value += num_rows
-        self._items.put(QueueItem(index=index, version=version, num_rows=num_rows, payload=payload))
+        """Enqueue item `index` (from `reserve`, in index order), generated by weights of `version`."""
+        c = self._counters
+        if c.closed:
+            raise QueueClosed("the queue was closed")
+        if index != c.produced:
+            raise ValueError(f"items must be put in index order: expected item {int(c.produced)}, got {index}")
+        item = QueueItem(index=index, version=version, num_rows=num_rows, payload=payload)
+        path = self._item_path(index)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.rename(temporary, path)  # atomic: the consumer sees the whole item or nothing
+        c.produced_rows += num_rows
+        c.produced = index + 1
 
     def published_version(self) -> int:
-        return self._published.value
+        return int(self._counters.published)
 
     # ----------------------------------------------------------------------------------------------- consumer
+    def open(self, start_index: int) -> None:
+        """Let the producer start at `start_index` (items before it were produced elsewhere)."""
+        c = self._counters
+        if c.start_index >= 0:
+            raise RuntimeError("the queue is already open")
+        c.consumed = start_index
+        # `produced` is the producer's field, but the producer touches nothing before it sees `start_index`, which is
+        # written last: this is the one write the consumer makes to it, before the producer can run.
+        c.produced = start_index
+        c.start_index = start_index
+
+    @property
+    def is_open(self) -> bool:
+        return self._counters.start_index >= 0
+
     def publish(self, version: int) -> None:
         """Tell the producer that weights of `version` are available (the consumer's policy reached it)."""
-        with self._cond:
-            if version > self._published.value:
-                self._published.value = version
-            self._cond.notify_all()
+        c = self._counters
+        if version > c.published:
+            c.published = version
 
     def get(
         self,
         last_use_version: int,
         timeout: float | None = None,
         on_wait: Callable[[], None] | None = None,
-        poll_s: float = 0.2,
+        agree: Callable[[int], int] | None = None,
     ) -> QueueItem:
         """Return the oldest item whose staleness at `last_use_version` is within bound, evicting older ones.
 
-        `on_wait` is called about every `poll_s` seconds while waiting; it may raise to abort (e.g. when the
-        producer died). Time spent blocked here is the trainer's wait on the queue.
+        `on_wait` is called about every 0.2 s while waiting; it may raise to abort (e.g. when the producer died).
+        `agree(staleness) -> staleness` turns this rank's staleness of the item into the one every rank acts on (the
+        maximum over ranks), so that all ranks evict the same items. Time spent here is the trainer's wait.
         """
-        start = time.perf_counter()
-        deadline = None if timeout is None else start + timeout
-        with self._cond:
-            self._waiting_index.value = self._consumed.value
-            self._waiting_last_use.value = last_use_version
-            self._cond.notify_all()
+        c = self._counters
+        if not self.is_open:
+            raise RuntimeError("open() the queue before taking items from it")
+        c.waiting_index, c.waiting_last_use = c.consumed, last_use_version
+        poller = _Poller(on_wait, timeout, lambda: "no item arrived in time")
         try:
             while True:
-                if self._closed.value:
+                if c.closed:
                     raise QueueClosed("the queue was closed")
-                try:
-                    item = self._items.get(timeout=poll_s)
-                except std_queue.Empty:
-                    if deadline is not None and time.perf_counter() >= deadline:
-                        raise TimeoutError("no item arrived in time") from None
-                    if on_wait is not None:
-                        on_wait()
+                index = int(c.consumed)
+                if c.produced <= index:
+                    poller.wait()
                     continue
-                staleness = last_use_version - item.version
-                with self._cond:
-                    self._consumed.value += 1
-                    if staleness > self.max_staleness:
-                        self._evicted_items.value += 1
-                        self._evicted_rows.value += item.num_rows
-                        # Still waiting, now for the next item, at the same version.
-                        self._waiting_index.value = self._consumed.value
-                    else:
-                        # Not waiting any more: a stale `_waiting_last_use` must not lower the gate for the next item.
-                        self._waiting_index.value = -1
-                        self._used_items.value += 1
-                        self._used_rows.value += item.num_rows
-                        self._staleness_row_sum.value += max(staleness, 0) * item.num_rows
-                        self._staleness_max.value = max(self._staleness_max.value, staleness)
-                    self._cond.notify_all()
-                if staleness <= self.max_staleness:
-                    item.staleness = staleness
-                    return item
+                item = self._take(index)
+                local = last_use_version - item.version
+                staleness = local if agree is None else agree(local)
+                c.consumed = index + 1
+                if staleness > self.max_staleness:
+                    c.evicted_items += 1
+                    c.evicted_rows += item.num_rows
+                    c.waiting_index = index + 1  # still waiting, now for the next item, at the same version
+                    continue
+                c.waiting_index = -1
+                c.used_items += 1
+                c.used_rows += item.num_rows
+                c.staleness_row_sum += max(local, 0) * item.num_rows
+                c.staleness_max = max(c.staleness_max, local)
+                item.staleness = local
+                return item
         finally:
-            with self._cond:
-                self._waiting_index.value = -1
-                self._trainer_wait_s.value += time.perf_counter() - start
+            c.waiting_index = -1
+            c.trainer_wait_s += poller.elapsed
+
+    def _item_path(self, index: int) -> str:
+        return os.path.join(self.spool_dir, f"item-{index:09d}.pkl")
+
+    def _take(self, index: int) -> QueueItem:
+        path = self._item_path(index)
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        os.unlink(path)
+        return item
 
     # ----------------------------------------------------------------------------------------------- both
     def close(self) -> None:
-        with self._cond:
-            self._closed.value = True
-            self._cond.notify_all()
+        self._counters.closed = 1
+
+    def cleanup(self) -> None:
+        """Close and remove the spool directory (consumer side; idempotent)."""
+        self.close()
+        if os.getpid() == self._owner_pid:
+            shutil.rmtree(self.spool_dir, ignore_errors=True)
 
     @property
     def closed(self) -> bool:
-        return bool(self._closed.value)
+        return bool(self._counters.closed)
 
     def qsize(self) -> int:
         """Items reserved by the producer and not yet consumed: queued, or being generated."""
-        with self._cond:
-            return max(0, self._reserved.value - self._consumed.value)
+        c = self._counters
+        return int(max(0, c.reserved - c.consumed))
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters, for metrics (`async/*`)."""
-        with self._cond:
-            used_rows = self._used_rows.value
-            return {
-                "reserved_items": self._reserved.value,
-                "consumed_items": self._consumed.value,
-                "produced_rows": self._produced_rows.value,
-                "used_rows": used_rows,
-                "used_items": self._used_items.value,
-                "evicted_rows": self._evicted_rows.value,
-                "evicted_items": self._evicted_items.value,
-                "staleness_mean": self._staleness_row_sum.value / used_rows if used_rows else 0.0,
-                "staleness_max": self._staleness_max.value,
-                "generator_wait_s": self._generator_wait_s.value,
-                "trainer_wait_s": self._trainer_wait_s.value,
-                "published_version": self._published.value,
-            }
+        c = self._counters
+        used_rows = c.used_rows
+        return {
+            "reserved_items": max(0, int(c.reserved)),
+            "consumed_items": int(c.consumed),
+            "produced_rows": int(c.produced_rows),
+            "used_rows": int(used_rows),
+            "used_items": int(c.used_items),
+            "evicted_rows": int(c.evicted_rows),
+            "evicted_items": int(c.evicted_items),
+            "staleness_mean": c.staleness_row_sum / used_rows if used_rows else 0.0,
+            "staleness_max": int(c.staleness_max),
+            "generator_wait_s": c.generator_wait_s,
+            "trainer_wait_s": c.trainer_wait_s,
+            "published_version": int(c.published),
+        }
+
+
+def _make_spool_dir() -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        try:
+            return tempfile.mkdtemp(prefix="trl_async-", dir=shm)
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix="trl_async-")

@@ -3,9 +3,13 @@
 The trainer owns a set of CPU tensors in shared memory, one per published parameter. Publishing copies the current
 parameters into them; the generator copies them into its own model between generation batches, never mid-sequence.
 
-Torn reads are prevented with a sequence lock: the writer makes the sequence odd, copies, then makes it even again
-and records the version. A reader copies only between two equal even sequence values and retries otherwise, so it
-never applies a half-written mix of two versions, and the writer (the trainer) never waits for the reader.
+Torn reads are prevented with a sequence lock: the writer makes the sequence odd, copies, records the version, then
+makes the sequence even again. A reader copies only between two equal even sequence values and retries otherwise, so it
+never applies a half-written mix of two versions.
+
+No lock, condition or semaphore is shared between the processes: the sequence and the version are plain shared
+integers written by the trainer alone. A generator that dies at any moment (SIGKILL included) can therefore never
+leave something held that the trainer would wait for; the trainer never waits for the reader at all.
 
 Which tensors travel: the *trainable* parameters. For a full fine-tune that is every parameter; for a PEFT model it is
 only the adapter tensors, so a LoRA sync moves a few MB whatever the size of the frozen base. The frozen parameters
@@ -22,14 +26,17 @@ import torch.multiprocessing as torch_mp
 
 
 class SharedWeightStore:
+    """Named CPU tensors in shared memory, versioned, written by one process (the trainer) and read by another."""
+
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], mp_context="spawn"):
         ctx = torch_mp.get_context(mp_context) if isinstance(mp_context, str) else mp_context
         self.buffers: dict[str, torch.Tensor] = {
             name: torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for name, t in named_tensors
         }
-        self._sequence = ctx.Value("q", 0)
+        # Written by the publisher only; a 64-bit aligned word is read and written atomically on the platforms torch
+        # supports, and stores are not reordered past the copy (the copy is a function call that returns after it).
+        self._sequence = ctx.RawValue("q", 0)
         self._version = ctx.RawValue("q", -1)
-        self._cond = ctx.Condition()
 
     @property
     def names(self) -> list[str]:
@@ -44,35 +51,40 @@ class SharedWeightStore:
         return self._version.value
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy `named_tensors` (any device) into shared memory and mark them as `version`."""
+        """Copy `named_tensors` (any device) into shared memory and mark them as `version`. Never blocks."""
         named_tensors = dict(named_tensors)
         missing = set(self.buffers) - set(named_tensors)
         if missing:
             raise KeyError(f"publish() is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        with self._sequence.get_lock():
-            self._sequence.value += 1  # odd: write in progress
+        self._sequence.value += 1  # odd: write in progress
         with torch.no_grad():
             for name, buffer in self.buffers.items():
                 buffer.copy_(named_tensors[name].detach())
-        with self._sequence.get_lock():
-            self._version.value = version
-            self._sequence.value += 1  # even: consistent
-        with self._cond:
-            self._cond.notify_all()
+        self._version.value = version
+        self._sequence.value += 1  # even: consistent
 
     def wait_for_version(
-        self, min_version: int, timeout: float | None = None, on_wait: Callable[[], None] | None = None
+        self,
+        min_version: int,
+        timeout: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        poll_s: float = 0.002,
     ) -> int:
-        """Block until weights of at least `min_version` are published; return the published version."""
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        with self._cond:
-            while self._version.value < min_version:
-                if deadline is not None and time.perf_counter() >= deadline:
-                    raise TimeoutError(f"weights v{min_version} were not published in time (have v{self.version})")
-                self._cond.wait(0.2)
-                if on_wait is not None:
-                    on_wait()
-            return self._version.value
+        """Poll until weights of at least `min_version` are published; return the published version.
+
+        `on_wait` is called about every 0.2 s while waiting (heartbeat, stop request); it may raise to abort.
+        """
+        start = time.perf_counter()
+        last_callback = start
+        while self._version.value < min_version:
+            now = time.perf_counter()
+            if timeout is not None and now - start >= timeout:
+                raise TimeoutError(f"weights v{min_version} were not published in time (have v{self.version})")
+            if on_wait is not None and now - last_callback >= 0.2:
+                on_wait()
+                last_callback = now
+            time.sleep(poll_s)
+        return self._version.value
 
     def read_into(self, destination: dict[str, torch.Tensor], timeout: float = 300.0) -> int:
         """Copy a consistent snapshot into `destination` (name -> tensor, any device); return its version."""
@@ -92,6 +104,11 @@ class SharedWeightStore:
             if self._sequence.value == before:
                 return version
         raise RuntimeError("could not read a consistent weight snapshot (the writer never paused)")
+
+    def read_copy(self, timeout: float = 300.0) -> tuple[dict[str, torch.Tensor], int]:
+        """A consistent snapshot as new CPU tensors (for backends that load weights from tensors); and its version."""
+        copy = {name: torch.empty_like(buffer) for name, buffer in self.buffers.items()}
+        return copy, self.read_into(copy, timeout=timeout)
 
 
 def named_trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,292 @@
+"""The rollout engine inside real training runs: real generation processes, the bundled tiny model, TRL's loop.
+
+Staleness here is measured from the weights that really generated each batch (see `WeightTracingTrainer`), never
+from the engine's own tags alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from trainer_utils import (
+    WeightTracingTrainer,
+    answer_reward,
+    length_reward,
+    load_model,
+    load_tokenizer,
+    make_args,
+)
+from transformers import TrainerCallback
+
+from trl_async import AsyncGRPOTrainer
+from trl_async.data import make_arithmetic_dataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
+
+
+def logged_steps(trainer):
+    return [h for h in trainer.state.log_history if "reward" in h]
+
+
+# ----------------------------------------------------------------------------------------------- staleness bound
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        # one generation batch per optimizer step (TRL's default schedule), generator ahead by one version
+        dict(max_staleness=1),
+        # steps_per_generation != gradient accumulation: a generation batch feeds 2 micro-steps of 2 optimizer steps
+        dict(steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_staleness=2),
+        # num_iterations > 1: every batch is trained on twice
+        dict(num_iterations=2, max_staleness=2, per_device_train_batch_size=8),
+        # weights published every second step only
+        dict(weight_sync_steps=2, max_staleness=2),
+    ],
+    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps"],
+)
+def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, tokenizer, schedule):
+    args = make_args(tmp_path, max_steps=8, loss_type="dapo", trainer_generates_while_starting=False, **schedule)
+    trainer = WeightTracingTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    assert trainer.true_staleness, "no batch reached a loss"
+    assert max(trainer.true_staleness) <= args.max_staleness, trainer.true_staleness
+    # The engine's tags name weights that really generated the rows.
+    assert all(trainer.tag_is_true), list(zip(trainer.tagged_staleness, trainer.true_staleness, strict=True))
+    # The bound is exercised: the generator ran ahead, so stale rows did reach the loss.
+    assert max(trainer.true_staleness) >= 1
+
+
+class _EpochEnd(TrainerCallback):
+    def __init__(self):
+        self.epochs = 0
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.epochs += 1
+
+
+def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path, tokenizer):
+    """An epoch whose micro-steps do not fill the last accumulation window makes the Trainer step early at the
+    epoch's end: the generator's schedule was one version off, its queued batches become too stale and are evicted.
+    The run must skip them, go on, log them, and never train on a stale row."""
+    small = make_arithmetic_dataset(num_train=10, num_test=2, seed=3)["train"]  # 5 generation batches per epoch
+    args = make_args(
+        tmp_path,
+        max_steps=9,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        max_staleness=1,
+        loss_type="dapo",
+        trainer_generates_while_starting=False,
+    )
+    trainer = WeightTracingTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=small, processing_class=tokenizer
+    )
+    epochs = _EpochEnd()
+    trainer.add_callback(epochs)
+    trainer.train()
+    assert trainer.state.global_step == 9 and epochs.epochs >= 2
+    evicted = sum(h.get("async/evicted", 0) for h in trainer.state.log_history)
+    assert evicted > 0, "no batch was evicted: the test did not exercise eviction"
+    assert max(trainer.true_staleness) <= 1
+    fractions = [h["async/evicted_fraction"] for h in trainer.state.log_history if "async/evicted_fraction" in h]
+    assert all(0 <= f < 1 for f in fractions)
+
+
+# ----------------------------------------------------------------------------------------------- reproducibility
+def _completions_and_losses(tmp_path, dataset, tokenizer, seed, name):
+    args = make_args(tmp_path / name, max_staleness=0, max_steps=4, seed=seed, log_completions=True)
+    recorded = []
+
+    class Recording(AsyncGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            if self.model.training:
+                recorded.append(out["completion_ids"].clone())
+            return out
+
+    trainer = Recording(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return recorded, losses
+
+
+def test_same_seed_same_run_on_policy(tmp_path, dataset, tokenizer):
+    first = _completions_and_losses(tmp_path, dataset, tokenizer, seed=7, name="a")
+    second = _completions_and_losses(tmp_path, dataset, tokenizer, seed=7, name="b")
+    other = _completions_and_losses(tmp_path, dataset, tokenizer, seed=8, name="c")
+    assert len(first[0]) == 4
+    for a, b in zip(first[0], second[0], strict=True):
+        assert torch.equal(a, b)
+    assert first[1] == pytest.approx(second[1], rel=1e-6, abs=1e-7)
+    assert any(a.shape != c.shape or not torch.equal(a, c) for a, c in zip(first[0], other[0], strict=True))
+
+
+# ----------------------------------------------------------------------------------------------- data sources
+def test_iterable_dataset_trains_asynchronously(tmp_path, dataset, tokenizer):
+    streaming = dataset.to_iterable_dataset(num_shards=2)
+    args = make_args(tmp_path, max_steps=4, trainer_generates_while_starting=False)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=streaming, processing_class=tokenizer
+    )
+    trainer.train()
+    logged = logged_steps(trainer)
+    assert len(logged) == 4 and all("async/staleness_mean" in h for h in logged)
+    assert sum(h["async/trainer_generated_batches"] for h in logged) == 0  # the generation process made them all
+
+
+def test_reward_model_is_scored_in_the_trainer(tmp_path, dataset, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_async.assets import tiny_model_path
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
+    reward_model.config.pad_token_id = tokenizer.pad_token_id
+    args = make_args(tmp_path, max_steps=3, reward_weights=[1.0, 0.5], trainer_generates_while_starting=False)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=[reward_model, length_reward], args=args, train_dataset=dataset,
+        processing_class=tokenizer, reward_processing_classes=[tokenizer, None],
+    )  # fmt: skip
+    name = trainer.reward_func_names[0]
+    trainer.train()
+    logged = logged_steps(trainer)
+    assert len(logged) == 3 and all("async/staleness_mean" in h for h in logged)
+    model_means = [h[f"rewards/{name}/mean"] for h in logged]
+    assert all(math.isfinite(v) for v in model_means)
+    assert len({round(v, 6) for v in model_means}) > 1  # real scores of real completions, not a constant
+
+
+def trainer_state_reward(completions, trainer_state, log_extra, log_metric, **kwargs):
+    step = trainer_state.global_step
+    log_extra("generated_at_step", [step] * len(completions))
+    log_metric("reward_fn/step_seen", float(step))
+    return [float(step)] * len(completions)
+
+
+def test_reward_callables_get_trainer_state_log_extra_and_log_metric(tmp_path, dataset, tokenizer):
+    args = make_args(tmp_path, max_steps=4, log_completions=True, trainer_generates_while_starting=False)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=trainer_state_reward, args=args, train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    seen_extra = []
+    original_log = trainer.log
+
+    def spy(logs, start_time=None):
+        seen_extra.append(list(trainer._logs["extra"].get("generated_at_step", [])))
+        return original_log(logs, start_time)
+
+    trainer.log = spy
+    trainer.train()
+    logged = logged_steps(trainer)
+    assert len(logged) == 4
+    for entry in logged:
+        # The reward saw the trainer state of the weights that generated the rows: at most max_staleness old.
+        step_seen = entry["reward_fn/step_seen"]
+        assert entry["step"] - 1 - args.max_staleness <= step_seen <= entry["step"] - 1
+        assert entry["reward"] == step_seen
+    assert any(values for values in seen_extra)
+    assert all(v == int(v) for values in seen_extra for v in values)
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        (dict(args_overrides=dict(use_vllm=True)), "use_vllm"),
+        (dict(tools=[len]), "tools"),
+        (dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
+        (dict(environment_factory=lambda: None), "environment_factory"),
+        (dict(quantization_config=object()), "quantized"),
+    ],
+)
+def test_unsupported_settings_are_refused_before_anything_starts(tmp_path, dataset, tokenizer, kwargs, setting):
+    import multiprocessing
+
+    kwargs = dict(kwargs)
+    args = make_args(tmp_path, **kwargs.pop("args_overrides", {}))
+    before = set(p.pid for p in multiprocessing.active_children())
+    with pytest.raises(ValueError, match=setting) as info:
+        AsyncGRPOTrainer(
+            model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+            processing_class=tokenizer, **kwargs,
+        )  # fmt: skip
+    assert "async_generation=False" in str(info.value)
+    assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+def test_plain_grpo_config_gets_the_staleness_its_schedule_needs(tmp_path, dataset, tokenizer):
+    from trl import GRPOConfig
+
+    args = make_args(
+        tmp_path, config_cls=GRPOConfig, steps_per_generation=4, num_iterations=2, gradient_accumulation_steps=3,
+        per_device_train_batch_size=4,
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    # A generation batch feeds 8 micro-steps, 3 per optimizer step: batch 1 (micro-steps 8-15) is trained on at
+    # versions 2..5, a span of 3; one more lets generation overlap training.
+    assert trainer.args.max_staleness == 4
+
+
+def test_explicit_too_small_staleness_still_errors(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness >= 3"):
+        make_args(tmp_path, steps_per_generation=4, num_iterations=2, gradient_accumulation_steps=3, max_staleness=1)
+
+
+def test_overrides_work_on_a_trainer_built_without_init():
+    """TRL's unit tests build trainers with `object.__new__` and a namespace as `args`; our overrides must then fall
+    through to TRL's (here `_generate` with a `rollout_func`), reading async fields with their defaults."""
+    from types import SimpleNamespace
+
+    from trl_async.config import async_field
+
+    trainer = object.__new__(AsyncGRPOTrainer)
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, gather=lambda t: t)
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=0, num_input_tokens_seen=0)
+    trainer.use_vllm = False
+    trainer.tools = None
+    trainer._tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    trainer.eos_token_ids = [2]
+    trainer.processing_class = SimpleNamespace(batch_decode=lambda ids, **kwargs: ["decoded"] * len(ids))
+    trainer._metrics = {"train": __import__("collections").defaultdict(list)}
+    trainer.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[0.0]]}
+    result = trainer._generate(["prompt"])
+    assert result[0] == [[1]] and result[1] == [[2]]
+    assert async_field(trainer.args, "async_generation") is True
+    assert async_field(trainer.args, "max_staleness") is None
+
+
+def test_dataset_of_pairs_with_custom_columns_reaches_rewards(tmp_path, tokenizer):
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}], "answer": str(2 * i), "tag": i} for i in
+         range(32)]
+    )  # fmt: skip
+
+    def reward(completions, answer, tag, **kwargs):
+        return [float(int(a) == 2 * t) for a, t in zip(answer, tag, strict=True)]
+
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=reward, args=make_args(tmp_path, max_steps=2), train_dataset=data,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    assert all(h["reward"] == 1.0 for h in logged_steps(trainer))

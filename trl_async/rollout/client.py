@@ -1,0 +1,335 @@
+"""The trainer-side rollout component, shared by `AsyncGRPOTrainer` and `AsyncPPOTrainer`.
+
+One `RolloutClient` per rank owns everything asynchronous generation needs on the trainer side: the shared-memory
+weight stores, the staleness-bounded queue, the generation process, weight publishing, the next batch to train on,
+the `async/*` metrics, and the checkpoint state of the prompt stream. The trainers only call:
+
+* `start(spec, model)` at the first training batch (the generation process boots in the background);
+* `next_batch(last_use_version, model)` for each generation batch (→ `RolloutBatch`);
+* `publish(model, version, state)` after optimizer steps;
+* `window_metrics()` when they log; `checkpoint_state()` / `restore(state)` around checkpoints; `close()`.
+
+**Start-up off the critical path.** Spawning the generation process, importing torch/transformers and building its
+model takes seconds. Until it reports ready, the trainer produces the batches itself, with the same producer code on
+its own model (so the batches are the same: same prompts, same per-batch seed), then opens the queue at the next index
+and switches to it. The run never waits for a cold generator.
+
+**Eviction across ranks.** Rows of one global batch are spread over the data-parallel ranks (TRL gathers rewards to
+normalize groups across them), so the ranks must keep or drop the same items. Each rank's candidate staleness is
+reduced to its maximum over ranks (one all-reduce of one integer per generation batch) and every rank acts on that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from .backends import generate_with_behaviour_logprobs, generation_config_for_rollouts
+from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer
+from .queue import StalenessBoundedQueue
+from .weights import SharedWeightStore
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "trl_async_rollout.json"
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One generation batch ready to train on."""
+
+    payload: dict  # see `RolloutProducer.produce`
+    version: int  # policy version of the weights that generated it
+    staleness: int  # this rank's staleness at the batch's last use
+    from_trainer: bool  # produced by the trainer itself while the generation process was starting
+
+
+@dataclasses.dataclass
+class RolloutSettings:
+    max_staleness: int
+    micro_steps_per_item: int  # micro-steps fed by one generation batch
+    micro_steps_per_version: int  # micro-steps per optimizer step (gradient accumulation)
+    queue_capacity: int | None = None
+    weight_sync_steps: int = 1
+    trainer_generates_while_starting: bool = True
+    startup_timeout: float = 600.0
+    heartbeat_timeout: float = 300.0
+
+
+def publishable_parameters(model: torch.nn.Module) -> tuple[list, list]:
+    """(frozen, trainable) named parameters the generator's copy needs. For PEFT models, adapters other than the
+    active one (TRL's frozen `ref` copy for the KL term) stay on the trainer: the generator samples from the policy."""
+    others = ()
+    if hasattr(model, "peft_config") and hasattr(model, "active_adapter"):
+        others = tuple(f".{name}." for name in model.peft_config if name != model.active_adapter)
+    named = [(n, p) for n, p in model.named_parameters() if not any(tag in n for tag in others)]
+    return [(n, p) for n, p in named if not p.requires_grad], [(n, p) for n, p in named if p.requires_grad]
+
+
+class RolloutClient:
+    def __init__(self, settings: RolloutSettings, all_reduce_max: Callable[[int], int] | None = None):
+        self.settings = settings
+        self.all_reduce_max = all_reduce_max  # None with one process
+        self.process: GenerationProcess | None = None
+        self.queue: StalenessBoundedQueue | None = None
+        self.frozen_store = self.trainable_store = None
+        self._trainable_names: list[str] = []
+        self._local: RolloutProducer | None = None
+        self._next_index = 0  # next queue index to consume (the queue's own counter once it is open)
+        self._stream_offset = 0
+        self._restored: dict | None = None
+        self._window = self._empty_window()
+        self._last_stats = None
+        self._local_trainer_state = None
+        self.current: RolloutBatch | None = None  # the batch TRL's scoring code is turning into a batch dict
+
+    @property
+    def started(self) -> bool:
+        return self.process is not None
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def restore(self, state: dict | None) -> None:
+        """Resume the prompt stream where a checkpoint left it (call before `start`)."""
+        self._restored = state
+
+    def start(self, spec: GeneratorSpec, model: torch.nn.Module, version: int, trainer_state=None) -> None:
+        """Publish the start-up weights and spawn the generation process (returns at once)."""
+        settings = self.settings
+        if self._restored is not None:
+            spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))
+        self._stream_offset = spec.stream_offset
+        frozen, trainable = publishable_parameters(model)
+        if not trainable:
+            raise ValueError("The model has no trainable parameters to publish to the generator.")
+        self.frozen_store = SharedWeightStore(frozen) if frozen else None
+        if self.frozen_store is not None:
+            self.frozen_store.publish(frozen, version)
+        self.trainable_store = SharedWeightStore(trainable)
+        self.trainable_store.publish(trainable, version)
+        self._trainable_names = [name for name, _ in trainable]
+        self.queue = StalenessBoundedQueue(
+            max_staleness=settings.max_staleness,
+            capacity=settings.queue_capacity,  # None: derived from the staleness bound and the schedule
+            micro_steps_per_item=settings.micro_steps_per_item,
+            micro_steps_per_version=settings.micro_steps_per_version,
+            base_version=version,
+            # Opened once the generation process is ready, unless the trainer waits for it from the start.
+            start_index=None if settings.trainer_generates_while_starting else 0,
+        )
+        self.queue.publish(version)
+        self._write_trainer_state(trainer_state)
+        self._next_index = 0
+        self._last_stats = self.queue.stats()
+        self.process = GenerationProcess(
+            spec,
+            self.queue,
+            self.frozen_store,
+            self.trainable_store,
+            startup_timeout=settings.startup_timeout,
+            heartbeat_timeout=settings.heartbeat_timeout,
+        )
+        self._spec = spec
+        self._local = None
+        started = time.perf_counter()
+        self.process.start()
+        logger.info(
+            "trl_async: generator pid %s starting on %s (%d threads); %d trainable tensors (%.1f MiB) sync every %d "
+            "step(s) (spawned in %.2fs)",
+            self.process.pid, spec.device, spec.num_threads, len(trainable), self.trainable_store.num_bytes / 2**20,
+            settings.weight_sync_steps, time.perf_counter() - started,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the generation process and free the queue's spool and the stores (idempotent)."""
+        if self.process is not None:
+            self.process.stop()
+        if self.queue is not None:
+            self.queue.cleanup()
+        self.process = self.queue = self.frozen_store = self.trainable_store = self._local = None
+        self._restored = None
+
+    def check_health(self) -> None:
+        if self.process is not None:
+            self.process.check_health()
+
+    # ------------------------------------------------------------------------------------------------ batches
+    def next_batch(self, last_use_version: int, model: torch.nn.Module, current_version: int) -> RolloutBatch:
+        """The next generation batch whose staleness at `last_use_version` is within bound on every rank.
+
+        `model` is the trainer's (unwrapped) policy at `current_version`, used to produce a batch in-process while
+        the generation process is still starting.
+        """
+        self.check_health()
+        while True:
+            if self.queue.is_open:
+                item = self.queue.get(
+                    last_use_version, on_wait=self.check_health, agree=self._agree
+                )  # evicts (and counts) stale items itself, agreeing with the other ranks
+                batch = RolloutBatch(item.payload, item.version, item.staleness, from_trainer=False)
+                self._next_index = item.index + 1
+                break
+            if self.process.ready:
+                self.queue.open(self._next_index)
+                logger.info("trl_async: generator ready after %.1fs; queue opened at batch %d",
+                            time.time() - self.process.started_at, self._next_index)  # fmt: skip
+                continue
+            batch = self._produce_locally(last_use_version, model, current_version)
+            staleness = self._agree(batch.staleness)
+            self._next_index += 1
+            if staleness <= self.settings.max_staleness:
+                break
+            self._window["evicted_rows"] += len(batch.payload["rows"])
+        self._record(batch)
+        return batch
+
+    @contextlib.contextmanager
+    def serving(self, batch: RolloutBatch):
+        """While TRL's `_generate_and_score_completions` runs on `batch`, the trainer's `_generate` and
+        `_calculate_rewards` overrides read its completions and rewards from `current` (TRL passes them only prompts)."""
+        self.current = batch
+        try:
+            yield batch
+        finally:
+            self.current = None
+
+    def _agree(self, staleness: int) -> int:
+        return staleness if self.all_reduce_max is None else self.all_reduce_max(staleness)
+
+    def _produce_locally(self, last_use_version: int, model: torch.nn.Module, version: int) -> RolloutBatch:
+        spec = self._spec
+        if self._local is None:
+            config = generation_config_for_rollouts(spec.generation_config)
+            device = next(model.parameters()).device
+
+            def generate(prompt_ids, seed):
+                was_training = model.training
+                model.eval()  # no dropout, and transformers keeps the KV cache on (gradient checkpointing is train-only)
+                try:
+                    return generate_with_behaviour_logprobs(
+                        model, prompt_ids, config, spec.eos_token_ids, spec.pad_token_id, device, seed=seed
+                    )
+                finally:
+                    model.train(was_training)
+
+            self._local = RolloutProducer(spec, generate, trainer_state=lambda: self._local_trainer_state)
+        payload = self._local.produce(self._next_index)
+        return RolloutBatch(payload, version, last_use_version - version, from_trainer=True)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def publish(self, model: torch.nn.Module, version: int, trainer_state=None) -> float:
+        """Publish the policy's trainable weights as `version` (every `weight_sync_steps`); returns seconds spent."""
+        if self.process is None:
+            return 0.0
+        self.check_health()
+        self._local_trainer_state = trainer_state
+        if version % self.settings.weight_sync_steps:
+            return 0.0
+        started = time.perf_counter()
+        parameters = dict(model.named_parameters())
+        self.trainable_store.publish(((name, parameters[name]) for name in self._trainable_names), version)
+        self._write_trainer_state(trainer_state)
+        self.queue.publish(version)
+        return time.perf_counter() - started
+
+    def _write_trainer_state(self, trainer_state) -> None:
+        """A snapshot for reward functions' `trainer_state` (without `log_history`, which grows with the run)."""
+        self._local_trainer_state = trainer_state
+        if trainer_state is None:
+            return
+        snapshot = dataclasses.replace(trainer_state, log_history=[])
+        path = os.path.join(self.queue.spool_dir, "trainer_state.json")
+        snapshot.save_to_json(path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def checkpoint_state(self, version: int) -> dict:
+        """Where the prompt stream of this rank stands: the next batch a resumed run must train on."""
+        return {
+            "stream_position": self._stream_offset + self._next_index,
+            "version": version,
+        }
+
+    @staticmethod
+    def save_checkpoint_state(states: list[dict], checkpoint_dir: str) -> None:
+        with open(os.path.join(checkpoint_dir, CHECKPOINT_FILE), "w") as f:
+            json.dump({"ranks": states}, f, indent=2)
+
+    @staticmethod
+    def load_checkpoint_state(checkpoint_dir: str, process_index: int) -> dict | None:
+        path = os.path.join(checkpoint_dir, CHECKPOINT_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            ranks = json.load(f)["ranks"]
+        if process_index >= len(ranks):
+            raise ValueError(
+                f"The checkpoint {checkpoint_dir} was written by {len(ranks)} process(es); resuming it with more "
+                "processes would change every rank's prompt stream. Resume with the same number of processes."
+            )
+        return ranks[process_index]
+
+    # ------------------------------------------------------------------------------------------------ metrics
+    @staticmethod
+    def _empty_window() -> dict:
+        return {
+            "batches": 0,
+            "trainer_batches": 0,
+            "rows": 0,
+            "staleness_row_sum": 0.0,
+            "staleness_max": 0,
+            "evicted_rows": 0,
+            "generate_s": 0.0,
+            "reward_s": 0.0,
+        }
+
+    def _record(self, batch: RolloutBatch) -> None:
+        rows = len(batch.payload["rows"])
+        window = self._window
+        window["batches"] += 1
+        window["trainer_batches"] += int(batch.from_trainer)
+        window["rows"] += rows
+        window["staleness_row_sum"] += max(batch.staleness, 0) * rows
+        window["staleness_max"] = max(window["staleness_max"], batch.staleness)
+        window["generate_s"] += batch.payload["generate_s"]
+        window["reward_s"] += batch.payload["reward_s"]
+
+    def window_metrics(self) -> dict[str, float]:
+        """This rank's `async/*` figures since the previous call (the logging window), as sums and maxima."""
+        window, self._window = self._window, self._empty_window()
+        stats = self.queue.stats() if self.queue is not None else None
+        previous = self._last_stats
+        self._last_stats = stats
+        delta = {}
+        if stats is not None and previous is not None:
+            for key in ("evicted_rows", "generator_wait_s", "trainer_wait_s"):
+                delta[key] = stats[key] - previous[key]
+        return {
+            "batches": window["batches"],
+            "trainer_batches": window["trainer_batches"],
+            "rows": window["rows"],
+            "staleness_row_sum": window["staleness_row_sum"],
+            "staleness_max": window["staleness_max"],
+            "evicted_rows": window["evicted_rows"] + delta.get("evicted_rows", 0),
+            "generator_wait_s": delta.get("generator_wait_s", 0.0),
+            "trainer_wait_s": delta.get("trainer_wait_s", 0.0),
+            "generate_s": window["generate_s"],
+            "reward_s": window["reward_s"],
+            "queue_size": self.queue.qsize() if self.queue is not None else 0,
+        }
+
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "GeneratorError",
+    "RolloutBatch",
+    "RolloutClient",
+    "RolloutSettings",
+    "publishable_parameters",
+]

@@ -1,0 +1,114 @@
+"""Up-front refusals: what asynchronous generation does not support yet, checked before any heavy set-up.
+
+These checks run before `GRPOTrainer.__init__`, on the constructor's own arguments, so that nothing (a colocated vLLM
+engine, a model download, a reward model) starts before a clear error. Each error names the setting and says what to
+do instead. A plain `async_generation=False` always remains: TRL's synchronous path supports everything TRL does.
+"""
+
+from __future__ import annotations
+
+import os
+
+ASYNC_OFF = "set async_generation=False (AsyncGRPOConfig) to run TRL's synchronous generation with it"
+
+
+def _model_config(model, args):
+    """The model's config without loading weights (a `str` model: its config file only)."""
+    if not isinstance(model, str):
+        return getattr(model, "config", None)
+    try:
+        from transformers import AutoConfig
+
+        kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        return AutoConfig.from_pretrained(
+            model, revision=kwargs.get("revision"), trust_remote_code=getattr(args, "trust_remote_code", False)
+        )
+    except Exception:  # an unreachable Hub etc.: TRL's own loading reports it
+        return None
+
+
+def _is_quantized(model, args, quantization_config) -> bool:
+    if quantization_config is not None:
+        return True
+    kwargs = getattr(args, "model_init_kwargs", None) or {}
+    if any(kwargs.get(k) for k in ("quantization_config", "load_in_4bit", "load_in_8bit")):
+        return True
+    if not isinstance(model, str):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return bool(getattr(base, "is_quantized", False) or getattr(base, "quantization_method", None))
+    return False
+
+
+def _sharded_training(args) -> str | None:
+    deepspeed_plugin = getattr(args, "deepspeed_plugin", None)
+    if deepspeed_plugin is not None and getattr(deepspeed_plugin, "zero_stage", 0) == 3:
+        return "DeepSpeed ZeRO-3"
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "FSDP"
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def check_async_supported(
+    args,
+    model,
+    processing_class=None,
+    quantization_config=None,
+    tools=None,
+    rollout_func=None,
+    environment_factory=None,
+) -> None:
+    """Raise `ValueError` naming every setting that asynchronous generation does not support yet."""
+    reasons = []
+    if getattr(args, "use_vllm", False):
+        reasons.append(
+            "use_vllm=True: TRL's vLLM generation would run in the training process; asynchronous generation has "
+            "its own generation process"
+        )
+    if tools:
+        reasons.append("tools= (tool calling interleaves generation with tool execution)")
+    if environment_factory is not None:
+        reasons.append("environment_factory= (environments interleave generation with environment steps)")
+    if rollout_func is not None:
+        reasons.append("rollout_func= (a custom rollout replaces the generation that runs in the generation process)")
+    from transformers import ProcessorMixin
+
+    config = _model_config(model, args)
+    if isinstance(processing_class, ProcessorMixin) or (config is not None and hasattr(config, "vision_config")):
+        reasons.append("a vision-language model (images are not sent to the generation process)")
+    if _is_quantized(model, args, quantization_config):
+        reasons.append(
+            "a quantized base model (QLoRA / bitsandbytes): the generation process rebuilds the base from its config "
+            "and would sample from an unquantized copy"
+        )
+    sharded = _sharded_training(args)
+    if sharded:
+        reasons.append(
+            f"{sharded}: sharded parameters cannot be published to the generation process yet (gathering them is "
+            "planned); use DDP"
+        )
+    if reasons:
+        raise ValueError(
+            "Asynchronous generation (AsyncGRPOTrainer's default) does not support: "
+            + "; ".join(reasons)
+            + f". To train with these, {ASYNC_OFF}."
+        )
+
+
+def check_m2po_supported(args, model=None) -> None:
+    """M2PO replaces TRL's loss: refuse the TRL loss options it does not implement."""
+    if getattr(args, "loss_type", None) != "m2po":
+        return
+    config = getattr(model, "config", None) if model is not None and not isinstance(model, str) else None
+    unsupported = {
+        "top_entropy_quantile < 1": getattr(args, "top_entropy_quantile", 1.0) < 1.0,
+        "an entropy bonus (entropy_coef, use_adaptive_entropy)": bool(getattr(args, "entropy_coef", 0.0))
+        or bool(getattr(args, "use_adaptive_entropy", False)),
+        "off_policy_mask_threshold": getattr(args, "off_policy_mask_threshold", None) is not None,
+        "importance_sampling_level='sequence'": getattr(args, "importance_sampling_level", "token") != "token",
+        "a MoE router aux loss (output_router_logits)": bool(getattr(config, "output_router_logits", False)),
+    }
+    used = [name for name, on in unsupported.items() if on]
+    if used:
+        raise ValueError(f"loss_type='m2po' does not support {', '.join(used)}; disable it or use loss_type='dapo'.")
