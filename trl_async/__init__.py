@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AsyncGRPOConfig": ".config",
     "AsyncGRPOTrainer": ".grpo",
+    "AsyncPPOConfig": ".config",
+    "AsyncPPOTrainer": ".ppo",
     "StalenessBoundedQueue": ".rollout",
 }
 
