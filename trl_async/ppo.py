@@ -167,7 +167,7 @@ class AdapterValueModel(nn.Module):
         text_config = base.config.get_text_config()
         reference = next(base.parameters())
         self.head = nn.Linear(text_config.hidden_size, 1, dtype=reference.dtype, device=reference.device)
-        nn.init.normal_(self.head.weight, std=getattr(text_config, "initializer_range", 0.02))
+        nn.init.zeros_(self.head.weight)  # V = 0 until the critic learns (see `AsyncPPOTrainer._build_critic`)
         nn.init.zeros_(self.head.bias)
         self.__dict__["peft_model"] = peft_model  # a reference, not a submodule
         self.adapter_name = adapter_name
@@ -233,9 +233,11 @@ def _copy_into(destination: dict[str, Tensor], source: dict[str, Tensor]) -> Non
         tensor.copy_(source[name].to(device=tensor.device, dtype=tensor.dtype))
 
 
-class _ClipCriticGradients(TrainerCallback):
-    """Clips the critic's own gradients to `max_grad_norm` before each optimizer step. Trainer clips the policy model
-    only (`model.parameters()`); a PEFT critic adapter lives in the policy model and is clipped with it."""
+class _CriticGradients(TrainerCallback):
+    """What Trainer does for the policy model's gradients, for the critic's own parameters (Trainer only knows the
+    policy model): clip them to `max_grad_norm` before each optimizer step, and zero them after it (Trainer calls
+    `model.zero_grad()` on the policy only). A PEFT critic adapter lives in the policy model and gets both from Trainer.
+    """
 
     def __init__(self, trainer: AsyncPPOTrainer):
         self.trainer = trainer
@@ -247,6 +249,9 @@ class _ClipCriticGradients(TrainerCallback):
         if parameters:
             norm = torch.nn.utils.clip_grad_norm_(parameters, args.max_grad_norm)
             self.trainer._metrics["train"]["ppo/critic_grad_norm"].append(norm.item())
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.critic.zero_grad(set_to_none=True)
 
 
 # ------------------------------------------------------------------------------------------------------- trainer
@@ -309,7 +314,7 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
             disable_dropout_in_model(critic)
         # Several processes: a DDP wrapper, whose gradients are all-reduced once per optimizer step (`training_step`).
         self.critic = self.accelerator.prepare_model(critic)
-        self.add_callback(_ClipCriticGradients(self))
+        self.add_callback(_CriticGradients(self))
         if self.optimizer is not None:  # optimizers=(optimizer, scheduler) given: it must train the critic too
             held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
             if any(id(p) not in held for p in self._critic_parameters()):
@@ -329,7 +334,13 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
             init_kwargs = dict(self.args.model_init_kwargs or {})
             init_kwargs.setdefault("dtype", policy.dtype)
             init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-            value_model = AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1, **init_kwargs)
+            value_model, loading = AutoModelForSequenceClassification.from_pretrained(
+                value_model, num_labels=1, output_loading_info=True, **init_kwargs
+            )
+            if any(key.startswith("score.") for key in loading["missing_keys"]):
+                # A new value head (a causal-LM checkpoint): V = 0 until the critic learns, so the first advantages
+                # are the discounted scores themselves, not a random head's noise.
+                nn.init.zeros_(value_model.score.weight)
         if not isinstance(value_model, nn.Module):
             raise TypeError(f"value_model must be a model, a path or None, got {type(value_model).__name__}.")
         value_model.config.pad_token_id = self._tokenizer.pad_token_id

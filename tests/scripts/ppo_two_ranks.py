@@ -1,0 +1,78 @@
+# Run under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo). Each rank trains AsyncPPOTrainer (its own
+# generation process, the default critic: a value model built from the policy's checkpoint) and records what it saw
+# into <output_dir>/rank<k>.json for tests/test_ppo_trainer.py to check.
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_async import AsyncPPOConfig, AsyncPPOTrainer
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+from trl_async.rewards import MathAnswerReward
+
+METRICS = (
+    "ppo/value_loss", "ppo/explained_variance", "ppo/approx_kl", "ppo/clipfrac", "ppo/returns_mean",
+    "ppo/value_mean", "ppo/value_clipfrac", "ppo/policy_loss", "objective/kl", "objective/scores", "reward",
+)  # fmt: skip
+
+
+class RecordingTrainer(AsyncPPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.rows_per_step.append(int(inputs["completion_ids"].size(0)))
+        if self._rollout.process is not None:
+            self.generator_pid = self._rollout.process.pid
+        return super()._compute_loss(model, inputs)
+
+
+def checksum(parameters) -> float:
+    return sum(p.detach().double().abs().sum().item() for p in parameters)
+
+
+def main():
+    output_dir = sys.argv[1]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    args = AsyncPPOConfig(
+        output_dir=output_dir,
+        max_steps=3,
+        per_device_train_batch_size=8,
+        max_completion_length=16,
+        learning_rate=3e-4,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=not torch.cuda.is_available(),  # on CPU, accelerate's multi-process mode is MULTI_CPU (gloo)
+        max_staleness=1,
+    )
+    trainer = RecordingTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+        reward_funcs=[MathAnswerReward(tokenizer)],
+        args=args,
+        train_dataset=make_arithmetic_dataset(num_train=128, num_test=8)["train"],
+        processing_class=tokenizer,
+    )
+    trainer.rows_per_step, trainer.generator_pid = [], None
+    initial_policy, initial_critic = checksum(trainer.model.parameters()), checksum(trainer.critic.parameters())
+    trainer.train()
+    history = trainer.state.log_history
+    record = {
+        "process_index": trainer.accelerator.process_index,
+        "num_processes": trainer.accelerator.num_processes,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "generator_pid": trainer.generator_pid,
+        "rows_per_step": trainer.rows_per_step,
+        "policy_checksum": checksum(trainer.model.parameters()),
+        "initial_policy_checksum": initial_policy,
+        "critic_checksum": checksum(trainer.critic.parameters()),
+        "initial_critic_checksum": initial_critic,
+        "metrics": {key: [h[key] for h in history if key in h] for key in METRICS},
+    }
+    with open(os.path.join(output_dir, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""AsyncPPOTrainer end to end on the bundled tiny model: real generation processes, real forward passes.
+
+The reference computations here do not reuse the trainer's code: log-probs come from the models' plain forward
+(full logits), values from the value model's own sequence-classification forward on every prefix, scores from the
+reward function on the decoded text, and the PPO formulas from `trl_async.ppo_math` (tested on its own against loops
+in tests/test_ppo_math.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_utils import load_model, load_tokenizer, make_args, pid_is_gone
+from transformers import AutoModelForSequenceClassification, TrainerCallback
+from trl import GRPOConfig
+
+from trl_async import AsyncPPOConfig, AsyncPPOTrainer
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+from trl_async.ppo import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
+from trl_async.ppo_math import gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
+from trl_async.rewards import MathAnswerReward
+from trl_async.rollout.client import publishable_parameters
+
+PPO_METRICS = (
+    "ppo/value_loss", "ppo/explained_variance", "ppo/approx_kl", "ppo/clipfrac", "ppo/returns_mean",
+    "ppo/value_mean", "ppo/value_clipfrac", "ppo/policy_loss", "objective/kl", "objective/scores",
+)  # fmt: skip
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ppo_two_ranks.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
+
+
+def ppo_args(tmp_path, **overrides):
+    kwargs = dict(num_generations=1, max_completion_length=12, gradient_checkpointing=False)
+    kwargs.update(overrides)
+    return make_args(tmp_path, config_cls=AsyncPPOConfig, **kwargs)
+
+
+def digit_reward(completions, **kwargs):
+    """A text reward that depends on the completion only: the share of digits among its characters."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+# ----------------------------------------------------------------------------------------------------- config
+def test_public_names_and_single_generation():
+    import trl_async
+
+    assert trl_async.AsyncPPOTrainer is AsyncPPOTrainer and trl_async.AsyncPPOConfig is AsyncPPOConfig
+    with pytest.raises(ValueError, match="at least 2 generations"):  # TRL's GRPOConfig refuses it ...
+        GRPOConfig("unused", num_generations=1, report_to="none", bf16=False)
+    config = AsyncPPOConfig("unused", report_to="none", bf16=False, per_device_train_batch_size=3)
+    assert config.num_generations == 1 and type(config.num_generations) is int  # ... PPO's default is 1
+    assert config.generation_batch_size == 3 and config.loss_type == "ppo"
+    # TRL's former PPOConfig defaults, and kl_coef drives TRL's reference computation.
+    assert (config.vf_coef, config.cliprange, config.cliprange_value, config.gamma, config.lam) == (
+        0.1, 0.2, 0.2, 1.0, 0.95,
+    )  # fmt: skip
+    assert (config.kl_coef, config.beta, config.kl_estimator, config.whiten_rewards) == (0.05, 0.05, "k1", False)
+    assert config.whiten_advantages and config.missing_eos_penalty is None
+    # An odd generation batch with one generation per prompt: divisibility is checked against 1, not 2.
+    assert AsyncPPOConfig("unused", report_to="none", bf16=False, per_device_train_batch_size=5).num_generations == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"vf_coef": -0.1}, "vf_coef"),
+        ({"cliprange": 0.0}, "cliprange"),
+        ({"cliprange_value": -1.0}, "cliprange_value"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"lam": -0.1}, "lam"),
+        ({"kl_coef": -0.01}, "kl_coef"),
+        ({"kl_estimator": "k2"}, "kl_estimator"),
+        ({"missing_eos_penalty": -1.0}, "missing_eos_penalty"),
+        ({"critic_learning_rate": 0.0}, "critic_learning_rate"),
+        ({"loss_type": "dapo"}, "loss_type"),
+        ({"beta": 0.3}, "beta"),
+        ({"loss_type": "m2po", "m2po_variant": "token"}, "m2po_variant"),
+        ({"entropy_coef": 0.01}, "entropy_coef"),
+        ({"epsilon_high": 0.3}, "epsilon_high"),
+        ({"max_staleness": -1}, "max_staleness"),  # the engine's own validation still runs
+    ],
+)
+def test_config_validation_names_the_field(tmp_path, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        ppo_args(tmp_path, **overrides)
+
+
+def test_trainer_refuses_grpo_config_and_tools(tmp_path, dataset, tokenizer):
+    with pytest.raises(TypeError, match="AsyncPPOConfig"):
+        AsyncPPOTrainer(model=load_model(), reward_funcs=digit_reward, args=make_args(tmp_path),
+                        train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match="tools"):
+        AsyncPPOTrainer(model=load_model(), reward_funcs=digit_reward, args=ppo_args(tmp_path),
+                        train_dataset=dataset, processing_class=tokenizer, tools=[len])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- same formulas
+def _plain_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    """log π(y_t | ·) from the model's ordinary forward (full logits), not the trainer's fused head."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    positions = logits[:, prompt_ids.size(1) - 1 : -1] / temperature
+    return torch.log_softmax(positions.float(), dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _prefix_values(value_model, prompt_ids, prompt_mask, completion_ids):
+    """V(s_t) as the sequence-classification model itself scores the prefix (prompt, y_<t): its own forward and its
+    own pooling (the last non-padding token), one forward per t."""
+    columns = []
+    with torch.no_grad():
+        for t in range(completion_ids.size(1)):
+            ids = torch.cat([prompt_ids, completion_ids[:, :t]], dim=1)
+            mask = torch.cat([prompt_mask, torch.ones_like(completion_ids[:, :t])], dim=1)
+            columns.append(value_model(input_ids=ids, attention_mask=mask).logits.squeeze(-1).float())
+    return torch.stack(columns, dim=1)
+
+
+def test_on_policy_batch_and_loss_equal_ppo_math_on_independent_tensors(tmp_path, dataset, tokenizer):
+    """At max_staleness=0 the rows come from the generation process at version 0. On those rows, the trainer's
+    targets and loss equal PPO's formulas (ppo_math) applied to tensors computed here independently."""
+    torch.manual_seed(0)
+    policy = load_model()
+    with torch.no_grad():  # the reference (TRL builds it from the checkpoint on disk) then differs: KL != 0
+        for parameter in policy.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    value_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
+    torch.nn.init.normal_(value_model.score.weight, std=0.3)  # values far from 0, different per state
+    value_model.config.pad_token_id = tokenizer.pad_token_id
+    reference_values = copy.deepcopy(value_model).eval()
+    args = ppo_args(
+        tmp_path, max_staleness=0, max_steps=1, kl_coef=0.1, gamma=0.9, lam=0.8, whiten_rewards=True,
+        whiten_advantages=False, missing_eos_penalty=0.5, max_completion_length=20, per_device_train_batch_size=8,
+    )  # fmt: skip
+    trainer = AsyncPPOTrainer(
+        model=policy, reward_funcs=digit_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        value_model=value_model,
+    )  # fmt: skip
+    trainer.model.train()
+    try:
+        batch = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    finally:
+        trainer.close_rollout()
+    assert (batch["rollout_versions"] == 0).all()
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    mask = completion_mask.bool()
+    assert mask.any(dim=1).all()
+
+    # Scores: the reward on the decoded text, minus the penalty for rows whose last valid token is not an EOS.
+    lengths = completion_mask.sum(dim=1).tolist()
+    texts = [
+        tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion_ids, lengths, strict=True)
+    ]
+    scores = torch.tensor(digit_reward([[{"content": text}] for text in texts]))
+    no_eos = torch.tensor(
+        [row[n - 1].item() != tokenizer.eos_token_id for row, n in zip(completion_ids, lengths, strict=True)]
+    )
+    assert no_eos.any() and not no_eos.all(), "the test wants rows with and without EOS"
+    scores = scores - 0.5 * no_eos.float()
+
+    temperature = args.temperature
+    old_logps = _plain_logps(trainer.model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    ref_logps = _plain_logps(load_model(), prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    values = _prefix_values(reference_values, prompt_ids, prompt_mask, completion_ids)
+    # The generator sampled with the same weights: its behaviour log-probs are π_old's.
+    torch.testing.assert_close(batch["sampling_per_token_logps"][mask], old_logps[mask], atol=2e-4, rtol=0)
+
+    shaped = kl_shaped_rewards(scores, old_logps, ref_logps, mask, kl_coef=0.1, kl_estimator="k1")
+    assert shaped.kl[mask].abs().max() > 1e-3
+    rewards = masked_whiten(shaped.rewards, mask, shift_mean=False)
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for key, expected in [("old_per_token_logps", old_logps), ("old_values", values), ("advantages", advantages),
+                          ("returns", returns)]:  # fmt: skip
+        torch.testing.assert_close(batch[key][mask], expected[mask], atol=1e-4, rtol=1e-4, msg=key)
+
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which we do not run here
+    loss = trainer._compute_loss(trainer.model, batch)
+    # Same weights as at batch time: π_θ = π_old and V = V_old, so the loss is PPO's at ratio 1.
+    expected = (
+        ppo_policy_loss(old_logps, old_logps, advantages, mask, cliprange=0.2).loss
+        + 0.1 * value_loss(values, values, returns, mask, cliprange_value=0.2).loss
+    )
+    assert abs(expected.item()) > 1e-3
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-4)
+    # The loss's gradient reaches both the policy and the critic.
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
+    assert trainer.critic_model.model.score.weight.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+class _CriticSnapshots(TrainerCallback):
+    """The critic's tensors when training begins (after a checkpoint is loaded) and after every optimizer step, and
+    the completions trained on per step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.by_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def snapshot(self):
+        return {k: v.detach().clone() for k, v in self.trainer.critic_model.checkpoint_tensors().items()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.by_step[state.global_step] = self.snapshot()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.by_step[state.global_step] = self.snapshot()
+
+
+def _ppo_trainer_with_snapshots(tmp_path, dataset, tokenizer, **overrides):
+    trainer = AsyncPPOTrainer(
+        model=load_model(), reward_funcs=MathAnswerReward(tokenizer), args=ppo_args(tmp_path, **overrides),
+        train_dataset=dataset, processing_class=tokenizer,
+    )  # fmt: skip
+    snapshots = _CriticSnapshots(trainer)
+    trainer.add_callback(snapshots)
+    return trainer, snapshots
+
+
+def test_save_and_resume_restore_the_critic_exactly(tmp_path, dataset, tokenizer):
+    """3 steps, a checkpoint, 3 resumed steps equal 6 straight steps at max_staleness=0: the critic is restored
+    bit for bit, and with it (and its optimizer state) the resumed run continues the straight one."""
+    common = dict(max_staleness=0, max_steps=6, save_strategy="steps", save_steps=3, seed=3, learning_rate=3e-4,
+                  max_completion_length=20)  # fmt: skip
+    straight, straight_critic = _ppo_trainer_with_snapshots(tmp_path / "straight", dataset, tokenizer, **common)
+    straight.train()
+    checkpoint = tmp_path / "straight" / "out" / "checkpoint-3"
+    assert (checkpoint / CRITIC_FILE).exists() and (checkpoint / "trl_async_rollout.json").exists()
+    saved = load_file(str(checkpoint / CRITIC_FILE))
+    assert saved.keys() == straight_critic.by_step[3].keys()
+    assert all(torch.equal(saved[k], straight_critic.by_step[3][k]) for k in saved)
+    assert straight_critic.by_step[3]["model.score.weight"].abs().sum() > 0  # the head left its zero init
+
+    resumed, resumed_critic = _ppo_trainer_with_snapshots(tmp_path / "resumed", dataset, tokenizer, **common)
+    fresh = resumed.critic_model.checkpoint_tensors()["model.score.weight"].detach().clone()
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    restored = resumed_critic.by_step[3]
+    assert all(torch.equal(restored[k], straight_critic.by_step[3][k]) for k in restored)
+    assert not torch.equal(restored["model.score.weight"], fresh)
+    assert sorted(resumed_critic.by_step) == [3, 4, 5, 6]
+    for step in (4, 5, 6):
+        for key, tensor in resumed_critic.by_step[step].items():
+            torch.testing.assert_close(tensor, straight_critic.by_step[step][key], atol=1e-6, rtol=1e-5, msg=key)
+    losses = {h["step"]: h["loss"] for h in straight.state.log_history if "loss" in h and "train_runtime" not in h}
+    resumed_losses = {
+        h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h and "train_runtime" not in h
+    }
+    for step in (4, 5, 6):
+        assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-4, abs=1e-6), step
+
+
+# ------------------------------------------------------------------------------------------- PEFT critic
+def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp_path, dataset, tokenizer):
+    from peft import LoraConfig
+
+    args = ppo_args(tmp_path, max_staleness=1, max_steps=3, learning_rate=5e-3, trainer_generates_while_starting=False,
+                    save_strategy="steps", save_steps=3)  # fmt: skip
+    trainer = AsyncPPOTrainer(
+        model=load_model(), reward_funcs=MathAnswerReward(tokenizer), args=args, train_dataset=dataset,
+        processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )  # fmt: skip
+    critic = trainer.critic_model
+    assert isinstance(critic, AdapterValueModel)
+    hidden = trainer.model.config.hidden_size
+    assert sum(p.numel() for p in critic.parameters()) == hidden + 1  # the head: no second copy of the base
+    names = dict(trainer.model.named_parameters())
+    base_before = {n: p.detach().clone() for n, p in names.items() if "lora_" not in n}
+    policy_adapter = {n: p.detach().clone() for n, p in names.items() if ".default." in n}
+    critic_adapter = {n: p.detach().clone() for n, p in critic.adapter_parameters()}
+    assert policy_adapter and critic_adapter
+    published = []
+    original = trainer._rollout.publish
+
+    def spy(model, version, state=None):
+        published.append(list(trainer._rollout.trainable_store.buffers))
+        return original(model, version, state)
+
+    trainer._rollout.publish = spy
+    frozen, trainable = publishable_parameters(trainer.model)
+    assert [n for n, _ in trainable] == list(policy_adapter)
+    assert not any(f".{CRITIC_ADAPTER}." in n for n, _ in frozen)
+    trainer.train()
+    assert published and all(names_ == list(policy_adapter) for names_ in published)
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in base_before.items())  # the shared base stays frozen
+    assert any(not torch.equal(after[n], p) for n, p in policy_adapter.items())
+    assert any(not torch.equal(after[n], p) for n, p in critic_adapter.items())
+    assert critic.head.weight.abs().sum() > 0
+    assert all(p.requires_grad for _, p in critic.adapter_parameters())
+    assert all(math.isfinite(v) for v in logged(trainer, "objective/kl"))  # the reference is the disabled adapter
+    saved = load_file(str(tmp_path / "out" / "checkpoint-3" / CRITIC_FILE))
+    assert {"head.weight", "head.bias"} <= saved.keys()
+    assert {k.removeprefix("adapter.") for k in saved if k.startswith("adapter.")} == set(critic_adapter)
+
+
+# ------------------------------------------------------------------------------------------- modes
+@pytest.mark.parametrize(
+    "overrides",
+    [{"async_generation": False}, {"loss_type": "m2po", "max_staleness": 1, "gradient_checkpointing": True}],
+    ids=["synchronous", "m2po-async"],
+)
+def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokenizer, overrides):
+    trainer = AsyncPPOTrainer(
+        model=load_model(), reward_funcs=MathAnswerReward(tokenizer),
+        args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, **overrides), train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    assert isinstance(trainer.critic_model, PerTokenValueModel)
+    policy_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    critic_before = {n: p.detach().clone() for n, p in trainer.critic_model.named_parameters()}
+    trainer.train()
+    for key in PPO_METRICS:
+        values = logged(trainer, key)
+        assert len(values) == 2 and all(math.isfinite(v) for v in values if key != "ppo/explained_variance"), key
+    assert any(not torch.equal(p, policy_before[n]) for n, p in trainer.model.named_parameters())
+    assert any(not torch.equal(p, critic_before[n]) for n, p in trainer.critic_model.named_parameters())
+    if overrides.get("async_generation") is False:
+        assert not trainer._rollout.started and not logged(trainer, "async/staleness_mean")
+    else:
+        assert logged(trainer, "m2po/masked_fraction") and logged(trainer, "async/staleness_mean")
+
+
+# ------------------------------------------------------------------------------------------- two processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_launch_two_cpu_processes(tmp_path):
+    """Two ranks under a real `accelerate launch`, each with its own generator: DDP keeps the policy and the critic
+    identical across ranks, and the batch metrics (all-reduced) are the same on both."""
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    proc = subprocess.run([*launcher, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    assert [r["process_index"] for r in ranks] == [0, 1] and all(r["num_processes"] == 2 for r in ranks)
+    assert all(r["backend"] == "gloo" for r in ranks)
+    assert ranks[0]["generator_pid"] != ranks[1]["generator_pid"]
+    assert ranks[0]["rows_per_step"] == ranks[1]["rows_per_step"] == [8] * 3
+    for key in ("policy_checksum", "critic_checksum"):
+        assert ranks[0][key] == pytest.approx(ranks[1][key], rel=1e-9), key
+        assert ranks[0][key] != pytest.approx(ranks[0][f"initial_{key}"], rel=1e-9), key
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert all(len(ranks[0]["metrics"][key]) == 3 for key in PPO_METRICS)
+    for rank in ranks:
+        assert pid_is_gone(rank["generator_pid"])
