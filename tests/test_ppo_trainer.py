@@ -282,7 +282,7 @@ def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp
     args = ppo_args(tmp_path, max_staleness=1, max_steps=3, learning_rate=5e-3, trainer_generates_while_starting=False,
                     save_strategy="steps", save_steps=3)  # fmt: skip
     trainer = AsyncPPOTrainer(
-        model=load_model(), reward_funcs=MathAnswerReward(tokenizer), args=args, train_dataset=dataset,
+        model=load_model(), reward_funcs=digit_reward, args=args, train_dataset=dataset,
         processing_class=tokenizer, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )  # fmt: skip
     critic = trainer.critic_model
@@ -327,7 +327,7 @@ def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp
 )
 def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokenizer, overrides):
     trainer = AsyncPPOTrainer(
-        model=load_model(), reward_funcs=MathAnswerReward(tokenizer),
+        model=load_model(), reward_funcs=digit_reward,
         args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, **overrides), train_dataset=dataset,
         processing_class=tokenizer,
     )  # fmt: skip
@@ -353,16 +353,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_accelerate_launch_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("critic", ["value_model", "peft"])
+def test_accelerate_launch_two_cpu_processes(tmp_path, critic):
     """Two ranks under a real `accelerate launch`, each with its own generator: DDP keeps the policy and the critic
-    identical across ranks, and the batch metrics (all-reduced) are the same on both."""
+    (a value model, or the PEFT critic adapter in the policy and its head) identical across ranks, and the batch
+    metrics (all-reduced) are the same on both."""
     launcher = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
-    proc = subprocess.run([*launcher, SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [*launcher, SCRIPT, str(tmp_path), critic], capture_output=True, text=True, timeout=900, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
     assert [r["process_index"] for r in ranks] == [0, 1] and all(r["num_processes"] == 2 for r in ranks)

@@ -1,6 +1,7 @@
 # Run under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo). Each rank trains AsyncPPOTrainer (its own
-# generation process, the default critic: a value model built from the policy's checkpoint) and records what it saw
-# into <output_dir>/rank<k>.json for tests/test_ppo_trainer.py to check.
+# generation process; the critic is a value model built from the policy's checkpoint, or with `peft` as the second
+# argument a LoRA policy and the critic adapter on its base) and records what it saw into <output_dir>/rank<k>.json
+# for tests/test_ppo_trainer.py to check.
 import json
 import os
 import sys
@@ -19,6 +20,12 @@ METRICS = (
 )  # fmt: skip
 
 
+def digit_share(completions, **kwargs):
+    """A text reward (decoded completions): the share of digits, dense enough to move the policy in three steps."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
 class RecordingTrainer(AsyncPPOTrainer):
     def _compute_loss(self, model, inputs):
         self.rows_per_step.append(int(inputs["completion_ids"].size(0)))
@@ -33,13 +40,18 @@ def checksum(parameters) -> float:
 
 def main():
     output_dir = sys.argv[1]
+    peft_config = None
+    if len(sys.argv) > 2 and sys.argv[2] == "peft":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     args = AsyncPPOConfig(
         output_dir=output_dir,
         max_steps=3,
         per_device_train_batch_size=8,
-        max_completion_length=16,
-        learning_rate=3e-4,
+        max_completion_length=24,
+        learning_rate=3e-4 if peft_config is None else 5e-3,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -49,10 +61,11 @@ def main():
     )
     trainer = RecordingTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
-        reward_funcs=[MathAnswerReward(tokenizer)],
+        reward_funcs=[MathAnswerReward(tokenizer), digit_share],  # tensor-native and text
         args=args,
         train_dataset=make_arithmetic_dataset(num_train=128, num_test=8)["train"],
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
     trainer.rows_per_step, trainer.generator_pid = [], None
     initial_policy, initial_critic = checksum(trainer.model.parameters()), checksum(trainer.critic.parameters())
