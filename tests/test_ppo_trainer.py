@@ -380,3 +380,48 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, critic):
     assert all(len(ranks[0]["metrics"][key]) == 3 for key in PPO_METRICS)
     for rank in ranks:
         assert pid_is_gone(rank["generator_pid"])
+
+
+# ------------------------------------------------------------------------------------------- the bar (slow)
+# The settings of docs/ppo.md ("Trainer") and benchmarks/bench_ppo_vs_grpo.py. About 3 minutes on a quiet 2-core
+# machine; PPO_BAR_SECONDS raises the time limit on a busy one.
+BAR_STEPS = 150
+
+
+@pytest.fixture(scope="module")
+def bar_run(tmp_path_factory):
+    tokenizer = load_tokenizer()
+    args = AsyncPPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("ppo_bar")), max_steps=BAR_STEPS, per_device_train_batch_size=64,
+        max_completion_length=32, temperature=0.7, learning_rate=1e-4, critic_learning_rate=1e-3,
+        lr_scheduler_type="constant", max_staleness=1, gradient_checkpointing=False, logging_steps=1,
+        report_to="none", save_strategy="no", bf16=False, seed=0,
+    )  # fmt: skip
+    trainer = AsyncPPOTrainer(
+        model=tiny_model_path(), reward_funcs=MathAnswerReward(tokenizer), args=args,
+        train_dataset=make_arithmetic_dataset(num_train=4000, num_test=8, seed=0)["train"], processing_class=tokenizer,
+    )  # fmt: skip
+    output = trainer.train()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(history) == BAR_STEPS
+    return {
+        "seconds": output.metrics["train_runtime"],
+        "reward": [h["reward"] for h in history],
+        "explained_variance": [h["ppo/explained_variance"] for h in history],
+    }
+
+
+@pytest.mark.slow
+def test_tiny_arithmetic_reward_rises_within_five_minutes(bar_run):
+    reward, quarter = bar_run["reward"], BAR_STEPS // 4
+    gain = sum(reward[-quarter:]) / quarter - sum(reward[:quarter]) / quarter
+    assert gain >= 0.1, f"reward gain (last quarter - first quarter) {gain:.3f}"
+    assert bar_run["seconds"] <= float(os.environ.get("PPO_BAR_SECONDS", "300")), bar_run["seconds"]
+
+
+@pytest.mark.slow
+def test_tiny_arithmetic_explained_variance_rises(bar_run):
+    ev, quarter = bar_run["explained_variance"], BAR_STEPS // 4
+    start, end = sum(ev[:10]) / 10, sum(ev[-quarter:]) / quarter
+    assert start <= 0.1, f"explained variance over the first 10 steps {start:.3f}"
+    assert end >= 0.3, f"explained variance over the last quarter {end:.3f}"

@@ -319,8 +319,10 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
             held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
             if any(id(p) not in held for p in self._critic_parameters()):
                 raise ValueError(
-                    "The optimizer passed in `optimizers` does not hold the critic's parameters. Let the trainer create "
-                    "the optimizer, or include trainer.critic's parameters (build the trainer first)."
+                    "The optimizer passed in `optimizers` does not hold the critic's parameters, and its scheduler "
+                    "could not follow parameter groups added later. Leave `optimizers` unset and choose the optimizer "
+                    "in the config (optim, optim_args, learning_rate, critic_learning_rate), or pass a value_model and "
+                    "an optimizer over both models."
                 )
 
     # --------------------------------------------------------------------------------------------- critic
