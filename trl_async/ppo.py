@@ -296,7 +296,8 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
                 f"AsyncPPOTrainer does not support {', '.join(refused)}= yet: tool and environment turns make the loss "
                 "mask of a completion non-contiguous, which GAE here does not handle."
             )
-        adapter_critic = value_model is None and (given.get("peft_config") is not None or is_peft_model(model))
+        peft = given.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
+        adapter_critic = value_model is None and peft
         if adapter_critic:
             # The critic adapter sits in the policy's DDP module but is used outside its forward: DDP must not look
             # for unused parameters (it would mark the adapter ready before its gradients arrive).
