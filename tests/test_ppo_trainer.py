@@ -328,8 +328,8 @@ def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp
 def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokenizer, overrides):
     trainer = AsyncPPOTrainer(
         model=load_model(), reward_funcs=digit_reward,
-        args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, **overrides), train_dataset=dataset,
-        processing_class=tokenizer,
+        args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, per_device_eval_batch_size=8, **overrides),
+        train_dataset=dataset, eval_dataset=dataset.select(range(8)), processing_class=tokenizer,
     )  # fmt: skip
     assert isinstance(trainer.critic_model, PerTokenValueModel)
     policy_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -342,6 +342,8 @@ def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokeni
     assert any(not torch.equal(p, critic_before[n]) for n, p in trainer.critic_model.named_parameters())
     if overrides.get("async_generation") is False:
         assert not trainer._rollout.started and not logged(trainer, "async/staleness_mean")
+        evaluation = trainer.evaluate()  # TRL's evaluation loop: synchronous generation, the same PPO loss
+        assert math.isfinite(evaluation["eval_loss"]) and math.isfinite(evaluation["eval_ppo/value_loss"])
     else:
         assert logged(trainer, "m2po/masked_fraction") and logged(trainer, "async/staleness_mean")
 
