@@ -27,7 +27,7 @@ from trl_async import AsyncPPOConfig, AsyncPPOTrainer
 from trl_async.assets import tiny_model_path
 from trl_async.data import make_arithmetic_dataset
 from trl_async.ppo import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
-from trl_async.ppo_math import gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
+from trl_async.ppo_math import explained_variance, gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
 from trl_async.rewards import MathAnswerReward
 from trl_async.rollout.client import publishable_parameters
 
@@ -198,6 +198,15 @@ def test_on_policy_batch_and_loss_equal_ppo_math_on_independent_tensors(tmp_path
     for key, expected in [("old_per_token_logps", old_logps), ("old_values", values), ("advantages", advantages),
                           ("returns", returns)]:  # fmt: skip
         torch.testing.assert_close(batch[key][mask], expected[mask], atol=1e-4, rtol=1e-4, msg=key)
+
+    metrics = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    assert metrics["ppo/explained_variance"] == pytest.approx(
+        explained_variance(values, returns, mask).item(), abs=1e-4
+    )
+    assert metrics["ppo/returns_mean"] == pytest.approx(returns[mask].mean().item(), abs=1e-5)
+    assert metrics["ppo/value_mean"] == pytest.approx(values[mask].mean().item(), abs=1e-5)
+    assert metrics["objective/kl"] == pytest.approx(shaped.kl.sum(dim=1).mean().item(), abs=1e-5)
+    assert metrics["objective/scores"] == pytest.approx(scores.mean().item(), abs=1e-6)
 
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which we do not run here
     loss = trainer._compute_loss(trainer.model, batch)

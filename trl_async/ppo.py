@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import logging
 import os
 import textwrap
 from typing import NamedTuple
@@ -46,8 +45,6 @@ from .grpo import AsyncGRPOTrainer
 from .importance import truncated_importance_weights
 from .losses import m2po_loss
 from .ppo_math import gae, kl_shaped_rewards, masked_whiten, per_token_kl, ppo_policy_loss, value_loss
-
-logger = logging.getLogger(__name__)
 
 CRITIC_ADAPTER = "critic"  # name of the critic's LoRA adapter under PEFT (never the active, published adapter)
 CRITIC_FILE = "trl_async_critic.safetensors"  # the critic's weights, beside the policy in every checkpoint
