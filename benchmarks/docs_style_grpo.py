@@ -18,11 +18,17 @@ dataset = load_dataset("json", data_files=data_file, split="train")
 
 
 def correct_answer(completions, answer, **kwargs):
-    return [float(c[0]["content"].rsplit("####", 1)[-1].strip() == a) for c, a in zip(completions, answer)]
+    return [
+        float(c[0]["content"].rsplit("####", 1)[-1].strip() == a) for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 training_args = GRPOConfig(
-    output_dir=output_dir, per_device_train_batch_size=32, max_steps=max_steps, report_to="none", bf16=False  # CPU
+    output_dir=output_dir,
+    per_device_train_batch_size=32,
+    max_steps=max_steps,
+    report_to="none",
+    bf16=False,  # CPU
 )
 trainer_class = GRPOTrainer if trainer_name == "trl" else AsyncGRPOTrainer
 trainer = trainer_class(model=model_path, reward_funcs=correct_answer, args=training_args, train_dataset=dataset)
