@@ -37,6 +37,7 @@ from .losses import m2po_loss, reference_m2po_loss
 from .rewards import is_tensor_reward
 from .rollout import GeneratorSpec, ModelSpec
 from .rollout.client import RolloutClient, RolloutSettings
+from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
 from .unsupported import check_async_supported, check_m2po_supported
 
@@ -147,31 +148,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _all_reduce_max(self, value: int) -> int:
         return int(gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
-    def _generation_placement(self) -> tuple[str, int]:
-        args = self.args
-        device = args.generation_device or str(self.accelerator.device)
+    def _placement(self) -> Placement:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        cores = max(1, available // max(1, local_world))
-        threads = args.generation_num_threads
-        on_cpu = torch.device(device).type == "cpu"
-        omp_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if threads is None:
-            threads = max(1, cores // 2) if on_cpu else 1
-            if omp_threads.isdigit():
-                threads = min(threads, max(1, int(omp_threads)))
-        if on_cpu and self.accelerator.device.type == "cpu" and not omp_threads:
-            # Both processes compute on the same cores: split them instead of oversubscribing.
-            torch.set_num_threads(max(1, cores - threads))
-        return device, threads
+        return choose_placement(
+            self.args.generation_device,
+            self.accelerator.device,
+            self.args.generation_num_threads,
+            rank_cores(local_world),
+            os.environ.get("OMP_NUM_THREADS"),
+        )
 
-    def _generator_spec(self) -> GeneratorSpec:
+    def _generator_spec(self, placement: Placement) -> GeneratorSpec:
         """What this rank's generation process needs: TRL's sampling settings, prompt order and reward callables."""
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
         is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
         base = model.get_base_model() if is_peft else model
-        device, threads = self._generation_placement()
         reward_models = [isinstance(f, torch.nn.Module) and not is_tensor_reward(f) for f in self.reward_funcs]
         any_text_reward = any(
             not is_tensor_reward(f) and not m for f, m in zip(self.reward_funcs, reward_models, strict=True)
@@ -186,8 +178,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return GeneratorSpec(
             process_index=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes,
-            device=device,
-            num_threads=threads,
+            device=placement.device,
+            num_threads=placement.generator_threads,
             backend=args.generation_backend,
             model_spec=ModelSpec(
                 config=base.config,
@@ -266,11 +258,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self._async_training():
             return super()._generate_and_score_completions(inputs)
         if not self._rollout.started:
+            placement = self._placement()
             self._rollout.start(
-                self._generator_spec(),
+                self._generator_spec(placement),
                 self.accelerator.unwrap_model(self.model),
                 version=self.state.global_step,
                 trainer_state=self.state,
+                trainer_threads=placement.trainer_threads,
             )
         batch = self._rollout.next_batch(
             self._last_use_version(), self.accelerator.unwrap_model(self.model), current_version=self.state.global_step

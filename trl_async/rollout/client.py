@@ -88,6 +88,8 @@ class RolloutClient:
         self._window = self._empty_window()
         self._last_stats = None
         self._local_trainer_state = None
+        self._trainer_threads = None
+        self._threads_before = torch.get_num_threads()
         self.current: RolloutBatch | None = None  # the batch TRL's scoring code is turning into a batch dict
 
     @property
@@ -99,9 +101,21 @@ class RolloutClient:
         """Resume the prompt stream where a checkpoint left it (call before `start`)."""
         self._restored = state
 
-    def start(self, spec: GeneratorSpec, model: torch.nn.Module, version: int, trainer_state=None) -> None:
-        """Publish the start-up weights and spawn the generation process (returns at once)."""
+    def start(
+        self,
+        spec: GeneratorSpec,
+        model: torch.nn.Module,
+        version: int,
+        trainer_state=None,
+        trainer_threads: int | None = None,
+    ) -> None:
+        """Publish the start-up weights and spawn the generation process (returns at once).
+
+        `trainer_threads`: the trainer's torch threads once the queue is open (see `placement`); restored on close.
+        """
         settings = self.settings
+        self._trainer_threads = trainer_threads
+        self._threads_before = torch.get_num_threads()
         if self._restored is not None:
             spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))
         self._stream_offset = spec.stream_offset
@@ -124,6 +138,8 @@ class RolloutClient:
             start_index=None if settings.trainer_generates_while_starting else 0,
         )
         self.queue.publish(version)
+        if self.queue.is_open:
+            self._split_cores()
         self._write_trainer_state(trainer_state)
         self._next_index = 0
         self._last_stats = self.queue.stats()
@@ -146,10 +162,16 @@ class RolloutClient:
             settings.weight_sync_steps, time.perf_counter() - started,
         )  # fmt: skip
 
+    def _split_cores(self) -> None:
+        if self._trainer_threads is not None:
+            torch.set_num_threads(self._trainer_threads)
+
     def close(self) -> None:
         """Stop the generation process and free the queue's spool and the stores (idempotent)."""
         if self.process is not None:
             self.process.stop()
+            if self._trainer_threads is not None:
+                torch.set_num_threads(self._threads_before)
         if self.queue is not None:
             self.queue.cleanup()
         self.process = self.queue = self.frozen_store = self.trainable_store = self._local = None
@@ -177,6 +199,7 @@ class RolloutClient:
                 break
             if self.process.ready:
                 self.queue.open(self._next_index)
+                self._split_cores()
                 logger.info("trl_async: generator ready after %.1fs; queue opened at batch %d",
                             time.time() - self.process.started_at, self._next_index)  # fmt: skip
                 continue
