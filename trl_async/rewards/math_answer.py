@@ -336,6 +336,7 @@ class MathAnswerReward(TensorReward):
         fails the check (one that merges digits with what precedes them) adds every answer the general way.
         """
         self._lead_group: dict[tuple[bool, str], int] = {}
+        self._split_decimals = False
         if not self._composable or any(ch.isdigit() for text in self.separators + self.prefixes for ch in text):
             return False
         open_kinds = [k for k, p in enumerate(self._kind_prefixes) if p is not None]
@@ -376,6 +377,11 @@ class MathAnswerReward(TensorReward):
                 self._group_head_class[g, j], self._group_head_ok[g, j] = cls, True
                 i += 1
         probes = list(_PROBE_GOLDS + _STRUCTURE_PROBES)
+        bodies = sorted({b.lstrip(".") for gold in probes for b in number_parts(gold, self.prefixes)[1]})
+        self._split_decimals = False
+        whole_bodies = self._encode_bodies(bodies)
+        self._split_decimals = True
+        self._split_decimals = self._encode_bodies(bodies) == whole_bodies
         composed = self._number_spellings(probes)
         whole = self._generic_spellings(probes, compose=False)
         if composed is None or _as_set(composed) != _as_set(whole):
@@ -406,7 +412,7 @@ class MathAnswerReward(TensorReward):
                 entry_group.append(group)
         if not entry_gold:
             return tuple(torch.zeros(0, dtype=torch.long) for _ in range(4))
-        body_tokens = encode_ids(self.tokenizer, list(body_index))  # the only tokenizer call
+        body_tokens = self._encode_bodies(list(body_index))
         self._add_to_alphabet(body_tokens)
         ids, mask = pad_completion_ids(body_tokens)
         body_len = mask.sum(1)
@@ -427,6 +433,20 @@ class MathAnswerReward(TensorReward):
         keep = self._group_head_ok[group] & (length <= _MAX_WINDOW - 2)
         gold = torch.tensor(entry_gold).unsqueeze(1).expand_as(key)
         return gold[keep], self._group_head_class[group][keep], key[keep], length[keep]
+
+    def _encode_bodies(self, bodies: list[str]) -> list[list[int]]:
+        """Token ids of each number body, in one tokenizer call. With `_split_decimals` a body is encoded as its
+        integer part and its decimal part (from the `.`), so the few decimal endings (`.0`, `.00`) are encoded once
+        for all answers and an integer answer needs one string instead of three."""
+        if not self._split_decimals:
+            return encode_ids(self.tokenizer, bodies)  # the only tokenizer call
+        pieces: dict[str, int] = {}
+        parts = []
+        for body in bodies:
+            head, dot, tail = body.partition(".")
+            parts.append((pieces.setdefault(head, len(pieces)), pieces.setdefault(dot + tail, len(pieces))))
+        ids = encode_ids(self.tokenizer, list(pieces))  # the only tokenizer call
+        return [ids[a] + ids[b] for a, b in parts]
 
     def _generic_spellings(self, golds: Sequence[str], compose: bool | None = None) -> tuple[torch.Tensor, ...]:
         """`(gold index, marker class, key, length)` of every spelling, each spelling tokenized with its marker
