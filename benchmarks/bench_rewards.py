@@ -161,6 +161,14 @@ def timed(fn):
     return (time.perf_counter() - t0) * 1e3, out
 
 
+def timed_wall_and_cpu(fn):
+    """Wall time and the process's CPU time (all its threads) of one call, in ms. CPU time leaves out the time the
+    process waits for a core, so it moves less on a loaded machine; wall time is what a step pays."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3, out
+
+
 def make_contenders(tok, prepared, first_sight, b, with_math_verify):
     """`{name: (setup, call)}`: `setup` runs untimed before the other work that precedes the timed `call`."""
     ids, mask, answers, ids_list = b["ids"], b["mask"], b["answers"], b["ids_list"]
@@ -203,6 +211,7 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
     for _ in range(3):
         other_work()
     times = collections.defaultdict(list)
+    cpu_times = collections.defaultdict(list)
     warm = collections.defaultdict(list)
     agree = []
     for rep, b in enumerate(batches):
@@ -218,8 +227,9 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
             setup, call = contenders[name]
             setup()
             other_work()
-            ms, results[name] = timed(call)
+            ms, cpu_ms, results[name] = timed_wall_and_cpu(call)
             times[name].append(ms)
+            cpu_times[name].append(cpu_ms)
             if name in ("tensor (prepared)", "decode+regex (prepared)"):
                 warm[name].append(min(timed(call)[0] for _ in range(warm_calls)))
         ours = results["tensor (prepared)"].tolist()
@@ -230,8 +240,8 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
             == results["decode+regex (first sight)"]
         )
 
-    def ratios(num, den):
-        return spread([a / b for a, b in zip(times[num], times[den], strict=True)])
+    def ratios(num, den, source=times):
+        return spread([a / b for a, b in zip(source[num], source[den], strict=True)])
 
     paired = {
         HEADLINE: ratios("decode+regex (prepared)", "tensor (prepared)"),
@@ -250,6 +260,10 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
             [a / b for a, b in zip(warm["decode+regex (prepared)"], warm["tensor (prepared)"], strict=True)]
         ),
     }
+    paired_cpu = {
+        HEADLINE: ratios("decode+regex (prepared)", "tensor (prepared)", cpu_times),
+        "batch_decode / tensor (prepared)": ratios("batch_decode", "tensor (prepared)", cpu_times),
+    }
     cold_penalty = [c - w for c, w in zip(times["tensor (prepared)"], warm["tensor (prepared)"], strict=True)]
     return {
         "batch": batch,
@@ -260,6 +274,8 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
         "cold_ms": {name: spread(ts) for name, ts in times.items()},
         "warm_ms": {name: spread(ts) for name, ts in warm.items()},
         "paired_ratios": paired,
+        "cold_cpu_ms": {name: spread(ts) for name, ts in cpu_times.items()},
+        "paired_ratios_of_cpu_time": paired_cpu,
         "warm_paired_ratios": warm_paired,
         "tensor_prepared_cold_minus_warm_ms": spread(cold_penalty),
         "prepare_ms_per_new_gold": spread([t / golds_per_batch for t in times["prepare"]]),
@@ -273,22 +289,31 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
 
 
 def tiny_call_cold_penalty(tok, repeats):
-    """The tensor path on B=8, L=32 (its ~30 eager ops dominate): cold (after `other_work`) and warm (right after
-    another call), paired per repeat."""
+    """The tensor path on B=8, L=32 (its ~30 eager ops dominate), after three kinds of gap, paired per repeat:
+    `other_work` (cold), a 10 ms `time.sleep` (no work at all: if it costs as much as other work, the penalty is not
+    the CPU caches that the work evicts), and nothing (warm: right after another call, best of 3)."""
     rng, new_gold = random.Random(7), NewGolds(7)
     b = make_batch(tok, rng, new_gold, 8, 32, 1)
     reward = MathAnswerReward(tok)
     reward.prepare(b["answers"])
     other_work = OtherWork(64 * 256)
-    cold, warm = [], []
+
+    def call():
+        return reward(b["ids"], b["mask"], answer=b["answers"])
+
+    cold, slept, warm = [], [], []
     for _ in range(repeats):
         other_work()
-        cold.append(timed(lambda: reward(b["ids"], b["mask"], answer=b["answers"]))[0])
-        warm.append(min(timed(lambda: reward(b["ids"], b["mask"], answer=b["answers"]))[0] for _ in range(3)))
+        cold.append(timed(call)[0])
+        time.sleep(0.01)
+        slept.append(timed(call)[0])
+        warm.append(min(timed(call)[0] for _ in range(3)))
     return {
         "cold_ms": spread(cold),
+        "after_sleep_ms": spread(slept),
         "warm_ms": spread(warm),
         "cold_minus_warm_ms": spread([c - w for c, w in zip(cold, warm, strict=True)]),
+        "after_sleep_minus_warm_ms": spread([c - w for c, w in zip(slept, warm, strict=True)]),
     }
 
 
@@ -437,9 +462,11 @@ def print_regime(res):
         print(f"  {name:38s} {s['median']:10.3f} {s['min']:8.3f} {s['max']:8.3f}")
     for name, s in res["warm_ms"].items():
         print(f"  {name + ' (warm)':38s} {s['median']:10.3f} {s['min']:8.3f} {s['max']:8.3f}")
-    print(f"  {'paired ratio':44s} {'median':>8s} {'min':>8s} {'max':>8s}")
+    print(f"  {'paired ratio':52s} {'median':>8s} {'min':>8s} {'max':>8s}")
     for name, s in {**res["paired_ratios"], **res["warm_paired_ratios"]}.items():
-        print(f"  {name:44s} {s['median']:8.2f} {s['min']:8.2f} {s['max']:8.2f}")
+        print(f"  {name:52s} {s['median']:8.2f} {s['min']:8.2f} {s['max']:8.2f}")
+    for name, s in res["paired_ratios_of_cpu_time"].items():
+        print(f"  {name + ' (CPU time)':52s} {s['median']:8.2f} {s['min']:8.2f} {s['max']:8.2f}")
     p, f = res["prepare_ms_per_new_gold"], res["first_sight_ms_per_new_gold"]
     print(f"  prepare: {p['median']:.3f} ms per new gold answer; first sight inside score: {f['median']:.3f} ms")
 
@@ -467,7 +494,8 @@ def main():
     print(
         f"\ntensor path on B=8, L=32: cold {tiny['cold_ms']['median']:.3f} ms, warm {tiny['warm_ms']['median']:.3f} ms, "
         f"cold - warm (paired) {tiny['cold_minus_warm_ms']['median']:.3f} ms "
-        f"[{tiny['cold_minus_warm_ms']['min']:.3f}, {tiny['cold_minus_warm_ms']['max']:.3f}]"
+        f"[{tiny['cold_minus_warm_ms']['min']:.3f}, {tiny['cold_minus_warm_ms']['max']:.3f}]; after a 10 ms sleep - "
+        f"warm {tiny['after_sleep_minus_warm_ms']['median']:.3f} ms"
     )
     column = prepare_dataset_column(tok)
     print(
