@@ -218,8 +218,9 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
         contenders = make_contenders(tok, prepared, first_sight, b, with_math_verify)
         # The engine prepares the next batch's answers off the reward path; timed on its own.
         other_work()
-        ms, _ = timed(functools.partial(prepare_rewards, [prepared], {"answer": b["answers"]}))
+        ms, cpu_ms, _ = timed_wall_and_cpu(functools.partial(prepare_rewards, [prepared], {"answer": b["answers"]}))
         times["prepare"].append(ms)
+        cpu_times["prepare"].append(cpu_ms)
         names = list(contenders)
         results = {}
         for k in range(len(names)):
@@ -279,6 +280,7 @@ def bench_regime(tok, batch, length, golds_per_batch, repeats, seed, with_math_v
         "warm_paired_ratios": warm_paired,
         "tensor_prepared_cold_minus_warm_ms": spread(cold_penalty),
         "prepare_ms_per_new_gold": spread([t / golds_per_batch for t in times["prepare"]]),
+        "prepare_cpu_ms_per_new_gold": spread([t / golds_per_batch for t in cpu_times["prepare"]]),
         "first_sight_ms_per_new_gold": spread(
             [
                 (f - p) / golds_per_batch
