@@ -319,6 +319,30 @@ def tiny_call_cold_penalty(tok, repeats):
     }
 
 
+def prepare_per_gold_composed_vs_general(tok, repeats, golds_per_batch=64, seed=5):
+    """Preparing a batch of new answers, per answer: the composed path (the default on Qwen) against the general
+    path (each spelling tokenized with its marker: the only path before composition, and still the path of
+    tokenizers that fail the composition check and of non-numeric answers). Same answers, paired per repeat."""
+    composed, general = MathAnswerReward(tok), MathAnswerReward(tok)
+    general._structured = False  # force the general path (private switch, for this measurement only)
+    new_gold = NewGolds(seed)
+    other_work = OtherWork(64 * 256)
+    times = collections.defaultdict(list)
+    for rep in range(repeats):
+        golds = [new_gold() for _ in range(golds_per_batch)]
+        order = [("composed", composed), ("general", general)][:: 1 if rep % 2 else -1]
+        for name, reward in order:
+            other_work()
+            wall, cpu, _ = timed_wall_and_cpu(functools.partial(reward.prepare, golds))
+            times[name].append(wall / golds_per_batch)
+            times[name + " (CPU)"].append(cpu / golds_per_batch)
+    return {
+        "new_golds_per_batch": golds_per_batch,
+        "ms_per_new_gold": {name: spread(ts) for name, ts in times.items()},
+        "general / composed": spread([g / c for g, c in zip(times["general"], times["composed"], strict=True)]),
+    }
+
+
 def prepare_dataset_column(tok, rows=7473, seed=3):
     """Start-up preparation of a GSM8K-sized answer column: worked solutions ending in `#### N`."""
     new_gold, rng = NewGolds(seed), random.Random(seed)
@@ -499,6 +523,15 @@ def main():
         f"[{tiny['cold_minus_warm_ms']['min']:.3f}, {tiny['cold_minus_warm_ms']['max']:.3f}]; after a 10 ms sleep - "
         f"warm {tiny['after_sleep_minus_warm_ms']['median']:.3f} ms"
     )
+    per_gold = prepare_per_gold_composed_vs_general(tok, max(4, repeats // 3))
+    pg = per_gold["ms_per_new_gold"]
+    print(
+        f"\nprepare, ms per new answer (batches of 64): composed {pg['composed']['median']:.3f} "
+        f"(CPU {pg['composed (CPU)']['median']:.3f}), general path {pg['general']['median']:.3f} "
+        f"(CPU {pg['general (CPU)']['median']:.3f}); general / composed, paired: "
+        f"{per_gold['general / composed']['median']:.1f}x [{per_gold['general / composed']['min']:.1f}, "
+        f"{per_gold['general / composed']['max']:.1f}]"
+    )
     column = prepare_dataset_column(tok)
     print(
         f"\nprepare a GSM8K-sized column: {column['rows']} rows, {column['unique_answers']} distinct answers, "
@@ -545,6 +578,7 @@ def main():
         "build_reward_ms": build_ms,
         "regimes": regimes,
         "tiny_call_B8_L32": tiny,
+        "prepare_per_gold_composed_vs_general": per_gold,
         "prepare_dataset_column": column,
         "tiny_model_generation_step_ms_B64_L256": generation,
         "tensor_prepared_share_of_tiny_generation_step": share,
