@@ -23,10 +23,14 @@ which the list-valued dataset column forces).
    occur in any cached spelling (code 1 = anything else), the number class says whether the token continues a
    number (`_tokens.number_classes`). Prefix keys are one `cumsum` of `feature_j * key_j` with fixed random
    43-bit `key_j` (no int64 overflow).
-5. **Gold spellings.** The first time a gold answer is seen, every accepted spelling of it after each marker
-   (separator, prefix `$`/`\\$`/`**`, sign placement, thousands separators, `.0`/`.00`; `_answers.surface_forms`)
-   is tokenized jointly with the marker text, so merges such as `{-` in `\\boxed{-12}`, ` -$` or `:$` come out as
-   a model produces them, and stored as its key in the row (gold answer, marker class) of a sorted table.
+5. **Gold spellings.** Each gold answer is prepared once, by `prepare` ahead of scoring (the generation process
+   calls it through `prepare_rewards`) or on first sight inside `score`: every accepted spelling of it after each
+   marker (separator, prefix `$`/`\\$`/`**`, sign placement, thousands separators, `.0`/`.00`;
+   `_answers.surface_forms`), tokenized as a model produces it after the marker text (merges such as `{-` in
+   `\\boxed{-12}`, ` -$` or `:$` included), is stored as its key in the row (gold answer, marker class) of a sorted
+   table. For numeric answers the tokens of the part before the first digit are cached per marker at construction
+   and only the numbers are tokenized, in one batched call for all new answers (`_build_number_heads`); other
+   answers, and tokenizers where that composition is not exact, tokenize every spelling with its marker.
 6. **Match.** `searchsorted` looks every prefix key up in the row's sorted keys; a hit at a prefix length where the
    next token does not continue the number (not a digit, not `.`/`,` + digit) scores 1.
 
@@ -324,9 +328,9 @@ class MathAnswerReward(TensorReward):
 
         A numeric answer's spelling after a marker is `separator + sign/prefix + body` (`_answers.number_parts`). Cut
         at its first digit, it is a *head* that does not depend on the answer (separator, sign, prefix, and the `.`
-        of `.5`) and the rest of the body. With a tokenizer that starts a token at every digit and tokenizes the rest
-        the same in any context (the digit-splitting pre-tokenizers of Qwen, Llama 3, GPT-4), the spelling's tokens
-        are `head tokens + body tokens`, and since a key is a position-weighted sum (`_hash_many`),
+        of `.5`) and the rest of the body. With a tokenizer that starts a new token at a number's first digit and
+        tokenizes the number the same whatever precedes it (a pre-tokenizer that splits digits off, as Qwen's), the
+        spelling's tokens are `head tokens + body tokens`, and since a key is a position-weighted sum (`_hash_many`),
         `key(spelling) = key(head) + key(body placed after len(head) tokens)`. The heads of every (marker kind,
         sign, lead) are tokenized here; a batch of new answers then costs one batched tokenizer call on their
         bodies (a handful of short strings per answer) and a few tensor ops. A head whose first token straddles
@@ -357,10 +361,10 @@ class MathAnswerReward(TensorReward):
                 return False  # the head merges with the digit after it: spellings must be tokenized whole
             tails[(k, h)] = None if toks is None else toks[:-1]  # None: no spelling (a token straddles the cut)
         # Per (sign, lead) group: its distinct (marker class, head tokens), padded to a common width.
-        per_group = {
-            key: sorted({(self._kind_class[k], tails[(k, h)]) for k in open_kinds for h in hs if tails[(k, h)] is not None})
-            for key, hs in groups.items()
-        }  # fmt: skip
+        per_group = {}
+        for key, hs in groups.items():
+            found = {(self._kind_class[k], tails[(k, h)]) for k in open_kinds for h in hs}
+            per_group[key] = sorted((cls, toks) for cls, toks in found if toks is not None)
         width = max(len(v) for v in per_group.values())
         flat = [head for heads in per_group.values() for head in heads]
         keys = self._hash_many([toks for _, toks in flat]).tolist()
@@ -378,10 +382,7 @@ class MathAnswerReward(TensorReward):
                 i += 1
         probes = list(_PROBE_GOLDS + _STRUCTURE_PROBES)
         bodies = sorted({b.lstrip(".") for gold in probes for b in number_parts(gold, self.prefixes)[1]})
-        self._split_decimals = False
-        whole_bodies = self._encode_bodies(bodies)
-        self._split_decimals = True
-        self._split_decimals = self._encode_bodies(bodies) == whole_bodies
+        self._split_decimals = self._encode_bodies(bodies, split=True) == self._encode_bodies(bodies, split=False)
         composed = self._number_spellings(probes)
         whole = self._generic_spellings(probes, compose=False)
         if composed is None or _as_set(composed) != _as_set(whole):
@@ -434,11 +435,11 @@ class MathAnswerReward(TensorReward):
         gold = torch.tensor(entry_gold).unsqueeze(1).expand_as(key)
         return gold[keep], self._group_head_class[group][keep], key[keep], length[keep]
 
-    def _encode_bodies(self, bodies: list[str]) -> list[list[int]]:
-        """Token ids of each number body, in one tokenizer call. With `_split_decimals` a body is encoded as its
-        integer part and its decimal part (from the `.`), so the few decimal endings (`.0`, `.00`) are encoded once
-        for all answers and an integer answer needs one string instead of three."""
-        if not self._split_decimals:
+    def _encode_bodies(self, bodies: list[str], split: bool | None = None) -> list[list[int]]:
+        """Token ids of each number body, in one tokenizer call. With `split` (default `_split_decimals`, checked at
+        construction) a body is encoded as its integer part and its decimal part (from the `.`), so the few decimal
+        endings (`.0`, `.00`) are encoded once for all answers and an integer answer needs one string, not three."""
+        if not (self._split_decimals if split is None else split):
             return encode_ids(self.tokenizer, bodies)  # the only tokenizer call
         pieces: dict[str, int] = {}
         parts = []
@@ -519,7 +520,7 @@ class MathAnswerReward(TensorReward):
 
     def _write_rows(
         self, n_golds: int, gold: torch.Tensor, cls: torch.Tensor, key: torch.Tensor, length: torch.Tensor
-    ):
+    ) -> None:
         """Write the sorted, deduplicated keys of each new table row `(n_rows + gold) * stride + class`."""
         first = self._n_rows * self._stride
         row = first + gold * self._stride + cls
