@@ -363,13 +363,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
             inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
         flat = weights.flatten() if weights.size(1) == 1 else weights[mask.bool()]
         if flat.numel():
-            stats = torch.stack([flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean()])
-            mean, low, high, zero = gather(stats.unsqueeze(0)).view(-1, 4).T
+            # Weights the truncation changed: set to 0 (mask modes) or clamped to a bound (truncate modes; a ratio
+            # exactly on a bound has probability zero).
+            bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
+            clipped = (
+                (flat == 0)
+                if args.vllm_importance_sampling_mode.endswith("mask")
+                else torch.isin(flat, torch.tensor(bounds, dtype=flat.dtype, device=flat.device))
+            )
+            stats = torch.stack(
+                [flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean(), clipped.float().mean()]
+            )
+            mean, low, high, zero, changed = gather(stats.unsqueeze(0)).view(-1, 5).T
             metrics = self._metrics["train"]
             metrics["sampling/importance_sampling_ratio/mean"].append(mean.mean().item())
             metrics["sampling/importance_sampling_ratio/min"].append(low.min().item())
             metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
             metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
+            metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(changed.mean().item())
 
     @contextlib.contextmanager
     def _observe_policy_logps(self, observe):
