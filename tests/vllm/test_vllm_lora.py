@@ -55,7 +55,7 @@ def test_adapter_updates_reach_engine(engine):
     # v0: PEFT initialises lora_B to zero, so the engine serves the base model.
     with model.disable_adapter():
         base = [hf_sequence_logprobs(model, s) for s in sequences]
-    for seq, lp, ref in zip(sequences, backend.sequence_logprobs(sequences), base, strict=True):
+    for lp, ref in zip(backend.sequence_logprobs(sequences), base, strict=True):
         assert torch.allclose(torch.tensor(lp, dtype=torch.float64), ref, atol=TOLERANCE)
 
     generator = torch.Generator().manual_seed(2)

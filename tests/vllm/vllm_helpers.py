@@ -120,3 +120,37 @@ def processed_logprobs_reference(
             x[drop] = float("-inf")
         out.append(torch.log_softmax(x, -1)[token])
     return torch.stack(out)
+
+
+def engine_child(spec, frozen_store, trainable_store, gen_config, requests, results) -> None:
+    """Body of a daemonic spawned child hosting a `VLLMBackend`, as the generation process does: answers
+    (min_version, prompts, seed) requests with (version, completion ids, behaviour log-probs) until it gets None."""
+    import multiprocessing
+    import os
+    import traceback
+
+    import psutil
+
+    from trl_async.rollout.vllm_backend import VLLMBackend
+
+    beats = [0]
+
+    def beat():
+        beats[0] += 1
+
+    backend = VLLMBackend(spec, frozen_store, trainable_store, gen_config, 1.0, [EOS], PAD, heartbeat=beat)
+    try:
+        version = backend.load()
+        # The child is daemonic: vLLM must have started no process of its own.
+        children = len(multiprocessing.active_children()) + len(psutil.Process(os.getpid()).children())
+        results.put(("ready", version, children))
+        while (request := requests.get()) is not None:
+            min_version, prompts, seed = request
+            trainable_store.wait_for_version(min_version, timeout=120)
+            version = backend.update_weights()
+            ids, logps = backend.generate(prompts, seed=seed).to_lists()
+            results.put(("batch", version, ids, logps, beats[0]))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+    finally:
+        backend.close()
