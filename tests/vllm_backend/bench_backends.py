@@ -3,7 +3,7 @@
 Both backends run in this process on the same prompts, with the same threads; each repeat times one batch of each,
 back to back, after publishing new weights, so the paired ratio vllm/hf is robust to a shared machine's load.
 
-    OMP_NUM_THREADS=1 python tests/vllm/bench_backends.py [--rows 64] [--max-new-tokens 32] [--repeats 7]
+    OMP_NUM_THREADS=1 python tests/vllm_backend/bench_backends.py [--rows 64] [--max-new-tokens 32] [--repeats 7]
 """
 
 from __future__ import annotations
