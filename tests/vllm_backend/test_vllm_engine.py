@@ -34,7 +34,17 @@ def engine():
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     backend = VLLMBackend(
-        model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD, device="cpu"
+        model_spec(model),
+        frozen_store,
+        trainable_store,
+        generation_config(),
+        1.0,
+        [EOS],
+        PAD,
+        device="cpu",
+        # A small step budget (the tiny model's 256-token context is the least it may be): a 24-row batch of
+        # ~17-token prompts then needs more than one step to prefill.
+        engine_kwargs={"max_num_batched_tokens": 256},
     )
     assert backend.load() == 0
     yield model, trainable_store, backend
@@ -126,6 +136,19 @@ def test_output_layout_and_seeds(engine):
             assert n == backend.sampling_kwargs["max_tokens"]
         assert all(t == PAD for t in tokens[n:])
         assert (logps[row, n:] == 0).all() and (logps[row, :n] < 0).all()
+
+
+def test_seeded_batch_larger_than_one_engine_step(engine):
+    """Regression: vLLM 0.32's CPU engine crashed on seeded requests whose prefill spans two steps."""
+    model, _, backend = engine
+    prompts = tiny_prompts(24, seed=13)
+    assert sum(map(len, prompts)) > 256
+    ids, logps = backend.generate(prompts, seed=2).to_lists()
+    assert len(ids) == 24
+    prompt, completion, mu = prompts[-1], ids[-1], logps[-1]
+    expected = torch.log_softmax(hf_logits(model, prompt, completion), -1)
+    expected = expected.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(mu, dtype=torch.float64), expected, atol=TOLERANCE)
 
 
 def test_unhonourable_settings_fail_before_the_engine_starts():

@@ -295,7 +295,8 @@ class VLLMBackend(GenerationBackend):
         engine_seed: seed of the engine's global sampler RNG (used when `generate` gets no seed).
         sampling_overrides: extra `vllm.SamplingParams` fields (TRL's `generation_kwargs` under `use_vllm=True`).
         engine_kwargs: further `vllm.LLM` arguments, passed through (e.g. `max_num_seqs`, `max_num_batched_tokens`,
-            `model_impl`, `enable_sleep_mode`); those the backend sets itself are refused.
+            `model_impl`, `enable_sleep_mode`); those the backend sets itself are refused. On CPU chunked prefill is
+            off by default (see below); `enable_chunked_prefill=True` here turns it back on, for unseeded use only.
     """
 
     name = "vllm"
@@ -371,6 +372,10 @@ class VLLMBackend(GenerationBackend):
             "seed": engine_seed,
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "gpu_memory_utilization": gpu_memory_utilization,
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split over two steps crashes the engine ("CPU
+            # Generator does not use offset": rewinding the discarded sample's RNG needs CUDA generators). Whole
+            # prefills avoid the split; it bites as soon as a batch's prompts exceed one step's token budget.
+            "enable_chunked_prefill": False if on_cpu else None,
             **engine_kwargs,
         }
         self.engine_args = {k: v for k, v in self.engine_args.items() if v is not None}
