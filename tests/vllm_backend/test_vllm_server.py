@@ -46,7 +46,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
+    # A small step budget, so that a 24-row batch needs several steps to prefill (see the seeded-batch check).
     extra = ["--kv-cache-memory-bytes", str(128 << 20), "--enable-lora", "--max-lora-rank", "8"]
+    extra += ["--max-num-batched-tokens", "256"]
     command = vllm_serve_command(
         tiny_model_path(), extra, host="127.0.0.1", port=port, dtype="float32", enforce_eager=True
     )
@@ -122,6 +124,11 @@ def test_full_weights_reach_the_server(server):
         assert len({tuple(r) for r in a.to_lists()[0]}) > 1
         unseeded_ids, unseeded_logps = backend.generate(prompts).to_lists()
         _check_behaviour_logprobs(model, prompts, unseeded_ids, unseeded_logps)
+        # More prompt tokens than one engine step takes (regression: seeded split prefills crashed vLLM on CPU).
+        many = tiny_prompts(24, seed=6)
+        assert sum(map(len, many)) > 256
+        many_ids, many_logps = backend.generate(many, seed=7).to_lists()
+        _check_behaviour_logprobs(model, many, many_ids, many_logps)
     finally:
         backend.close()
 

