@@ -393,13 +393,16 @@ class VLLMBackend(GenerationBackend):
         from vllm import LLM
 
         spec = self.model_spec
+        if not self.is_lora:
+            self._check_names_full()
         self._workdir = tempfile.mkdtemp(prefix="trl-async-vllm-")
         # vLLM builds the model from a config directory; the weights come from the stores, never from disk.
         model_dir = os.path.join(self._workdir, "model")
         spec.config.save_pretrained(model_dir)
         lora_args = {}
         if self.is_lora:
-            _validate_lora_for_vllm(spec.peft_config)
+            _validate_lora_for_vllm(spec.peft_config)  # vLLM's own messages first (DoRA, modules_to_save, ...)
+            self._check_names_lora()
             lora_args = {"enable_lora": True, "max_lora_rank": lora_rank_slot(spec.peft_config), "max_loras": 1}
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op (it pins OpenMP threads in its worker
         # processes); in-process there is no pinning, so give the caller its function back.
@@ -425,11 +428,8 @@ class VLLMBackend(GenerationBackend):
             self._frozen = _staging_buffers(self.frozen_store)
             self.frozen_store.read_into(self._frozen)
         if self.is_lora:
-            self._check_names_lora()
             # The frozen base goes in once; every update after this one sends only the adapter.
             self._reload_base(self._base_weights(self._frozen or {}))
-        else:
-            self._check_names_full()
         return self.update_weights()
 
     def _select_device(self) -> None:
