@@ -208,7 +208,6 @@ def test_reward_callables_get_trainer_state_log_extra_and_log_metric(tmp_path, d
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
     [
-        (dict(args_overrides=dict(use_vllm=True)), "use_vllm"),
         (dict(tools=[len]), "tools"),
         (dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
         (dict(environment_factory=lambda: None), "environment_factory"),
@@ -228,6 +227,19 @@ def test_unsupported_settings_are_refused_before_anything_starts(tmp_path, datas
         )  # fmt: skip
     assert "async_generation=False" in str(info.value)
     assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_installed_fails_up_front_with_the_install_command(tmp_path, dataset, tokenizer):
+    import multiprocessing
+
+    args = make_args(tmp_path, use_vllm=True)
+    with pytest.raises(ImportError, match="trl-async\\[vllm\\]"):
+        AsyncGRPOTrainer(
+            model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+            processing_class=tokenizer,
+        )  # fmt: skip
+    assert args.generation_backend == "vllm" and not multiprocessing.active_children()
 
 
 def test_plain_grpo_config_gets_the_staleness_its_schedule_needs(tmp_path, dataset, tokenizer):

@@ -16,9 +16,7 @@ from .rollout.queue import last_use_version
 
 logger = logging.getLogger(__name__)
 
-GENERATION_BACKENDS = ("hf",)
-# Backends designed for but not built yet: named here so the error says so instead of "unknown".
-PLANNED_GENERATION_BACKENDS = ("vllm",)
+GENERATION_BACKENDS = ("hf", "vllm")
 M2PO_VARIANTS = ("paper", "token")
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
@@ -69,7 +67,11 @@ class AsyncGRPOConfig(GRPOConfig):
     )
     generation_backend: str = field(
         default="hf",
-        metadata={"help": "Generation backend of the background process: 'hf' (transformers `generate`)."},
+        metadata={
+            "help": "Generation backend of the background process: 'hf' (transformers `generate`) or 'vllm' (vLLM, "
+            "see docs/vllm.md): with TRL's `vllm_mode='colocate'` an engine inside each generation process, with "
+            "`vllm_mode='server'` a running server (`vllm_server_*`). TRL's `use_vllm=True` selects 'vllm'."
+        },
     )
     generation_device: str | None = field(
         default=None,
@@ -198,8 +200,6 @@ def validate_async_fields(args) -> None:
         isinstance(args.weight_sync_steps, int) and args.weight_sync_steps >= 1,
         f"weight_sync_steps must be an integer >= 1, got {args.weight_sync_steps!r}.",
     )
-    if args.generation_backend in PLANNED_GENERATION_BACKENDS:
-        raise ValueError(f"generation_backend={args.generation_backend!r} is not available in this release; use 'hf'.")
     _check(
         args.generation_backend in GENERATION_BACKENDS,
         f"generation_backend={args.generation_backend!r} is unknown. Use one of {list(GENERATION_BACKENDS)}.",

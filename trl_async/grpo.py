@@ -103,6 +103,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             bound.arguments["args"] = args
         ensure_async_fields(args)
         check_m2po_supported(args, model)
+        if args.async_generation and args.use_vllm:
+            # TRL's vLLM generation runs in the training process; ours runs in the generation process. Same knobs.
+            logger.info("trl_async: use_vllm=True runs vLLM in the generation process (generation_backend='vllm').")
+            args.generation_backend, args.use_vllm = "vllm", False
         if args.async_generation:
             given = bound.arguments
             check_async_supported(
@@ -130,6 +134,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         if self.args.async_generation:
             self.add_callback(_PublishWeights(self))
+            if self.args.generation_backend == "vllm":
+                import importlib.util
+
+                from .rollout.vllm_backend import sampling_kwargs
+
+                if self.args.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
+                    raise ImportError(
+                        "generation_backend='vllm' (or use_vllm=True) needs vLLM in this environment: `pip install "
+                        "trl-async[vllm]` on GPUs; on CPUs follow docs/vllm.md (`bash .ci/vllm_env.sh`). Or set "
+                        "generation_backend='hf'."
+                    )
+                # A sampling setting vLLM cannot honour fails here, before any process starts.
+                sampling_kwargs(
+                    self.generation_config, self.temperature, list(self.eos_token_ids), self.args.generation_kwargs
+                )
 
     # --------------------------------------------------------------------------------------------- lifecycle
     def _async_training(self) -> bool:
@@ -180,7 +199,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             num_processes=self.accelerator.num_processes,
             device=placement.device,
             num_threads=placement.generator_threads,
-            backend=args.generation_backend,
+            backend=self._backend_name(),
+            backend_options=self._backend_options(placement),
             model_spec=ModelSpec(
                 config=base.config,
                 dtype=next(base.parameters()).dtype,
@@ -207,6 +227,39 @@ class AsyncGRPOTrainer(GRPOTrainer):
             parent_pid=os.getpid(),
             columns=columns,
         )
+
+    def _backend_name(self) -> str:
+        if self.args.generation_backend == "vllm":
+            return "vllm-server" if self.args.vllm_mode == "server" else "vllm"
+        return self.args.generation_backend
+
+    def _backend_options(self, placement: Placement) -> dict:
+        """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
+        args = self.args
+        if args.generation_backend != "vllm":
+            return {}
+        if args.vllm_mode == "server":
+            return dict(
+                base_url=args.vllm_server_base_url,
+                host=args.vllm_server_host,
+                port=args.vllm_server_port,
+                group_port=args.vllm_group_port,
+                connection_timeout=args.vllm_server_timeout,
+                sampling_overrides=args.generation_kwargs,
+            )
+        engine_kwargs = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}
+        if args.vllm_enable_sleep_mode:
+            engine_kwargs["enable_sleep_mode"] = True
+        options = dict(
+            max_model_len=args.vllm_max_model_length,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            engine_seed=args.seed,
+            sampling_overrides=args.generation_kwargs,
+            engine_kwargs=engine_kwargs or None,
+        )
+        if torch.device(placement.device).type == "cuda":  # on CPU vLLM sizes its KV cache in bytes instead
+            options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        return options
 
     def close_rollout(self) -> None:
         """Stop this rank's generation process (idempotent). Called automatically when `train()` returns/raises."""

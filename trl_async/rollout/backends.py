@@ -279,10 +279,10 @@ BACKENDS: dict[str, type[GenerationBackend]] = {"hf": HFBackend}
 
 
 def make_backend(name: str, **kwargs) -> GenerationBackend:
-    if name == "vllm" and name not in BACKENDS:
-        from .vllm_backend import VLLMBackend  # imported lazily: vLLM is an optional dependency
+    if name in ("vllm", "vllm-server") and name not in BACKENDS:
+        from .vllm_backend import VLLMBackend, VLLMServerBackend  # lazily: vLLM is an optional dependency
 
-        BACKENDS["vllm"] = VLLMBackend
+        BACKENDS.update({"vllm": VLLMBackend, "vllm-server": VLLMServerBackend})
     if name not in BACKENDS:
         raise ValueError(f"Unknown generation backend {name!r}; use one of {sorted(BACKENDS)}.")
     return BACKENDS[name](**kwargs)
