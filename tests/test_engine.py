@@ -302,3 +302,39 @@ def test_dataset_of_pairs_with_custom_columns_reaches_rewards(tmp_path, tokenize
     )  # fmt: skip
     trainer.train()
     assert all(h["reward"] == 1.0 for h in logged_steps(trainer))
+
+
+def test_ranks_sharing_a_group_never_sample_identical_completions(tokenizer):
+    """One prompt per generation batch, its 8 generations split over 2 ranks (4 each): with per-rank seeds the two
+    ranks' samples of the same prompt differ (TRL seeds ranks differently for the same reason)."""
+    from trl_async.rollout import GeneratorSpec, ModelSpec, RolloutProducer, generate_with_behaviour_logprobs
+    from trl_async.rollout.backends import generation_config_for_rollouts
+
+    model = load_model().eval()
+    data = make_arithmetic_dataset(num_train=16, num_test=2, seed=4)["train"]
+    from transformers import GenerationConfig
+
+    config = generation_config_for_rollouts(
+        GenerationConfig(max_new_tokens=12, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=[tokenizer.eos_token_id])
+    )  # fmt: skip
+    batches = {}
+    for rank in (0, 1):
+        spec = GeneratorSpec(
+            process_index=rank, num_processes=2, device="cpu", num_threads=1, backend="hf",
+            model_spec=ModelSpec(config=model.config, dtype=torch.float32), generation_config=config,
+            temperature=1.0, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+            processing_class=tokenizer, chat_template=None, chat_template_kwargs={}, dataset=data,
+            num_generations=8, generation_batch_size=8, shuffle=True, seed=0, reward_funcs=[length_reward],
+            reward_func_names=["length_reward"], decode=False, parent_pid=0,
+        )  # fmt: skip
+        producer = RolloutProducer(
+            spec,
+            lambda ids, seed: generate_with_behaviour_logprobs(
+                model, ids, config, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", seed=seed
+            ),
+        )
+        batches[rank] = [producer.produce(i) for i in range(3)]
+    for first, second in zip(batches[0], batches[1], strict=True):
+        assert first["rows"] == second["rows"]  # the same prompt: one group across both ranks
+        assert first["completion_ids"] != second["completion_ids"]
