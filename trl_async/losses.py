@@ -48,9 +48,10 @@ paper's rule.  It is *not* the published M2PO.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ __all__ = [
     "M2PO_STAT_KEYS",
     "M2PO_SUM_KEYS",
     "M2POSelection",
+    "M2POStats",
     "m2po_loss",
     "m2po_mask",
     "m2po_metrics",
@@ -196,11 +198,12 @@ def _rank_desc_then_index(values: Tensor, flat_index: Tensor) -> Tensor:
     return torch.sort(((2**31 - 1 - bits) << 32) | flat_index).indices
 
 
-def _exp_safe_d2(dtype: torch.dtype) -> float:
-    """delta^2 below this bound means exp(delta) cannot overflow in ``dtype`` (float32/bf16: |delta| < 87.7)."""
+@functools.cache
+def _exp_safe_max(dtype: torch.dtype) -> float:
+    """delta below this bound means exp(delta) cannot overflow in ``dtype`` (float32/bf16: delta < 87.7)."""
     if not dtype.is_floating_point:
         return 0.0
-    return (math.log(torch.finfo(dtype).max) - 1.0) ** 2
+    return math.log(torch.finfo(dtype).max) - 1.0
 
 
 def _check_rule(rule: str) -> None:
@@ -223,14 +226,6 @@ def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
     return advantages
 
 
-def _trust_region(delta: Tensor, advantages: Tensor, valid: Tensor) -> Tensor:
-    """Valid tokens whose ratio moves with their advantage: (A > 0 and delta > 0) or (A < 0 and delta < 0).
-
-    Written as sign(A) * delta > 0: multiplying by +-1 or 0 never rounds (A * delta could underflow to 0), and a
-    NaN in either factor, A = 0, or delta = 0 all give False."""
-    return valid & (advantages.sign() * delta > 0)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # stats
 # --------------------------------------------------------------------------------------------------------------
@@ -248,20 +243,48 @@ def _named_from_sums(s: list) -> list:
     ]
 
 
-def _stats_from_host(sums: list, device: torch.device, extra: dict | None = None) -> dict:
-    """Stats from host numbers: one vector, the entries are views of it (no per-stat kernel)."""
-    vec = _host_vector(_named_from_sums(sums) + list(sums), device)
-    return _stats_dict(vec, extra)
+class M2POStats(Mapping):
+    """The detached stats of one selection.  ``sums`` (a float64 vector of ``M2PO_SUM_KEYS``) is what is stored; the
+    ``M2PO_STAT_KEYS`` (0-dim float64) and ``all_masked`` (0-dim bool) are derived from it when first read (device
+    ops, no sync), so a caller that only accumulates ``sums`` pays nothing for them."""
+
+    __slots__ = ("_extra", "_named", "sums")
+
+    def __init__(self, sums: Tensor, extra: dict | None = None):
+        self.sums = sums
+        self._extra = extra or {}
+        self._named = None
+
+    def __getitem__(self, key):
+        if key == "sums":
+            return self.sums
+        if key == "all_masked":
+            return self.sums[-1] > 0
+        if key in self._extra:
+            return self._extra[key]
+        if key not in M2PO_STAT_KEYS:
+            raise KeyError(key)
+        if self._named is None:
+            self._named = _named_from_device_sums(self.sums).unbind()
+        return self._named[M2PO_STAT_KEYS.index(key)]
+
+    def __iter__(self):
+        return iter((*M2PO_STAT_KEYS, "all_masked", "sums", *self._extra))
+
+    def __len__(self):
+        return len(M2PO_STAT_KEYS) + 2 + len(self._extra)
+
+    def __repr__(self):
+        return f"M2POStats({dict(self)!r})"
 
 
-def _stats_from_device(sums: Tensor, extra: dict | None = None) -> dict:
-    """Stats from a float64 device vector of ``M2PO_SUM_KEYS`` (no sync)."""
+def _named_from_device_sums(sums: Tensor) -> Tensor:
     valid, kept, tr, kept_tr, d2, d2_kept, d2_tr, d2_kept_tr, _ = sums.unbind()
 
     def ratio(num, den):
         return torch.where(den > 0, num / den.clamp(min=1.0), 0.0)
 
-    named = torch.stack(
+    return torch.stack(
         [
             ratio(valid - kept, valid),
             ratio(d2, valid),
@@ -271,29 +294,29 @@ def _stats_from_device(sums: Tensor, extra: dict | None = None) -> dict:
             ratio(d2_kept_tr, kept_tr),
         ]
     )
-    return _stats_dict(torch.cat([named, sums]), extra)
 
 
-def _stats_dict(vec: Tensor, extra: dict | None) -> dict:
-    n = len(M2PO_STAT_KEYS)
-    stats = {key: vec[i] for i, key in enumerate(M2PO_STAT_KEYS)}
-    stats["sums"] = vec[n:]
-    stats["all_masked"] = vec[-1] > 0
-    if extra:
-        stats.update(extra)
-    return stats
+def _stats_from_host(sums: list, device: torch.device, extra: dict | None = None) -> M2POStats:
+    """Stats from host numbers (one small host-to-device copy at most, no sync)."""
+    return M2POStats(_host_vector(sums, device), extra)
+
+
+def _stats_from_device(sums: Tensor, extra: dict | None = None) -> M2POStats:
+    """Stats from a float64 device vector of ``M2PO_SUM_KEYS`` (no sync)."""
+    return M2POStats(sums, extra)
 
 
 def _empty_sums() -> list:
     return [0.0] * len(M2PO_SUM_KEYS)
 
 
-def _device_sums(d2: Tensor, valid: Tensor, trust: Tensor | None, keep: Tensor) -> Tensor:
+def _device_sums(tok: _Tokens, keep: Tensor) -> Tensor:
     """``M2PO_SUM_KEYS`` reduced on the device from a finished selection (no sync)."""
-    d2v = torch.where(valid, d2, 0.0)
+    d2, valid = tok.d2, tok.valid  # d2 is 0 on padding
     n_valid, n_kept = valid.sum(), keep.sum()
     counts = [n_valid, n_kept]
-    d2_sums = [d2v.sum(dtype=torch.float64), torch.where(keep, d2v, 0.0).sum(dtype=torch.float64)]
+    d2_sums = [d2.sum(dtype=torch.float64), torch.where(keep, d2, 0.0).sum(dtype=torch.float64)]
+    trust = tok.trust
     if trust is None:
         zero = torch.zeros((), dtype=torch.float64, device=d2.device)
         counts += [zero, zero]
@@ -326,34 +349,63 @@ def m2po_metrics(sums: Tensor | Sequence[float]) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: str):
-    """Detached float32 delta, its square, the valid mask and (when advantages are given) the trust region."""
+class _Tokens:
+    """The detached per-token quantities a selection works on, each computed once.
+
+    delta: the log ratio in float32 (every position); valid: bool mask; dv: delta on valid tokens, 0 on padding
+    (whatever padding holds never leaks); r: |delta| on trust-region tokens, 0 elsewhere (None without advantages):
+    r = max(sign(A) * dv, 0), which is > 0 exactly when (A > 0 and delta > 0) or (A < 0 and delta < 0) -- multiplying
+    by +-1 or 0 never rounds.  It is NaN where delta or A is NaN (or delta is infinite with A = 0): such a token makes
+    every bound unverifiable.  d2 = dv^2 and trust = r > 0 are derived when first needed.
+    """
+
+    __slots__ = ("_d2", "_trust", "delta", "dv", "r", "valid")
+
+    def __init__(self, delta, valid, dv, r):
+        self.delta, self.valid, self.dv, self.r = delta, valid, dv, r
+        self._d2 = self._trust = None
+
+    @property
+    def d2(self) -> Tensor:
+        if self._d2 is None:
+            self._d2 = self.dv.square()
+        return self._d2
+
+    @property
+    def trust(self) -> Tensor | None:
+        if self._trust is None and self.r is not None:
+            self._trust = self.r > 0
+        return self._trust
+
+
+def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: str) -> _Tokens:
     device, shape = log_ratio.device, log_ratio.shape
     valid = mask.to(device=device, dtype=torch.bool)
     if valid.shape != shape:
         valid = valid.expand(shape)
     delta = log_ratio.detach()
     if delta.dtype != torch.float32:
-        delta = delta.float()
-    d2 = delta.square()  # float32 delta^2: the quantity that is ranked
+        delta = delta.float()  # delta^2 is ranked in float32
+    dv = torch.where(valid, delta, 0.0)
     if advantages is None:
         if rule != "all_tokens":
             raise ValueError(f"rule={rule!r} needs the advantages (its candidates are the trust-region tokens).")
-        return delta, d2, valid, None
-    adv = _broadcast_advantages(advantages.detach().to(device), delta)
-    return delta, d2, valid, _trust_region(delta, adv, valid)
+        return _Tokens(delta, valid, dv, None)
+    sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()
+    return _Tokens(delta, valid, dv, (dv * sign).clamp(min=0.0))
 
 
-def _empty_selection(shape, device, ratios_finite=False) -> M2POSelection:
+def _empty_selection(shape, device, ratios_finite=False, extra=None) -> M2POSelection:
     keep = torch.zeros(shape, dtype=torch.bool, device=device)
-    return M2POSelection(keep, _stats_from_host(_empty_sums(), device), n_valid=0, ratios_finite=ratios_finite)
+    stats = _stats_from_host(_empty_sums(), device, extra)
+    return M2POSelection(keep, stats, n_valid=0, ratios_finite=ratios_finite)
 
 
-def _nan_selection(d2, valid, trust, n_valid, ratios_finite) -> M2POSelection:
-    """A NaN delta on a valid token: no bound can be verified, so nothing is kept (and it is flagged)."""
-    keep = torch.zeros_like(valid)
-    sums = _device_sums(d2, valid, trust, keep)
-    return M2POSelection(keep, _stats_from_device(sums), n_valid=n_valid, ratios_finite=ratios_finite)
+def _nan_selection(tok: _Tokens, n_valid, ratios_finite, extra=None) -> M2POSelection:
+    """A NaN on a valid token: no bound can be verified, so nothing is kept (and it is flagged)."""
+    keep = torch.zeros_like(tok.valid)
+    stats = _stats_from_device(_device_sums(tok, keep), extra)
+    return M2POSelection(keep, stats, n_valid=n_valid, ratios_finite=ratios_finite)
 
 
 def _drop_count(sorted_vals: Tensor, n_cand: int, small_sum: Tensor | float, tau: float, rule: str):
@@ -399,7 +451,7 @@ def _authors_cut(sorted_asc: Tensor, tau: float) -> Tensor:
     return torch.where(k_star > 0, v[(k_star - 1).clamp(min=0)], 0.0)
 
 
-def _authors_clipped(delta, d2, trust, cut2, clip_floor_low, clip_floor_high):
+def _authors_clipped(tok: _Tokens, cut2: Tensor, clip_floor_low, clip_floor_high):
     """Tokens whose ratio the authors' PPO clip replaces by its bound, and the bounds in log space.
 
     Their bounds are [exp(-tau_c), exp(tau_c)] with tau_c = sqrt(cut - 1e-12) (so a token whose delta^2 equals the
@@ -407,7 +459,9 @@ def _authors_clipped(delta, d2, trust, cut2, clip_floor_low, clip_floor_high):
     1 + floor_high)].  In PPO's min(r A, clip(r) A) only the harmful quadrants can bind, so the clipped tokens are
     the trust-region tokens with delta^2 >= cut (and beyond the floors).
     """
-    clipped = trust & (d2 >= cut2.to(d2.dtype))  # cut2 is one of the float32 delta^2 values: exact
+    delta = tok.delta
+    key = tok.r.square()  # harmful delta^2, 0 elsewhere
+    clipped = tok.trust & (key >= cut2.to(key.dtype))  # cut2 is one of the float32 delta^2 values: exact
     tau_c = cut2.clamp(min=0.0).sqrt()
     high, low = tau_c, -tau_c
     if clip_floor_high is not None:
@@ -474,20 +528,21 @@ def m2po_select(
         return _empty_selection(shape, device)
     if numel >= 2**32:
         raise ValueError("m2po_select supports fewer than 2**32 tokens per call")
-    delta, d2, valid, trust = _prepare(log_ratio, mask, advantages, rule)
+    tok = _prepare(log_ratio, mask, advantages, rule)
     if rule == "authors_code":
-        return _select_authors(delta, d2, valid, trust, tau, log_ratio.dtype, clip_floor_low, clip_floor_high)
-    return _select_by_masking(d2, valid, trust, tau, rule, log_ratio.dtype)
+        return _select_authors(tok, tau, log_ratio.dtype, clip_floor_low, clip_floor_high)
+    return _select_by_masking(tok, tau, rule, log_ratio.dtype)
 
 
-def _select_by_masking(d2, valid, trust, tau, rule, ratio_dtype) -> M2POSelection:
+def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.dtype) -> M2POSelection:
     """Rules "paper" and "all_tokens" (see :func:`m2po_select`)."""
-    device, shape, numel = d2.device, d2.shape, d2.numel()
+    valid = tok.valid
+    device, shape, numel = valid.device, valid.shape, valid.numel()
     paper = rule == "paper"
     tau32 = _float32_floor(tau)  # exact stand-in for tau in comparisons against float32 delta^2
-    d2_valid = torch.where(valid, d2, 0.0)
     # key > tau (>= 0) exactly marks the candidates that may be masked; padding and non-candidates have key 0.
-    key = torch.where(trust, d2, 0.0) if paper else d2_valid
+    # (r^2 equals delta^2 bit for bit: squaring ignores the sign.)
+    key = tok.r.square() if paper else tok.d2
     key_flat = key.reshape(-1)
 
     # ---- everything the decisions need, read in ONE host sync -----------------------------------------
@@ -500,32 +555,35 @@ def _select_by_masking(d2, valid, trust, tau, rule, ratio_dtype) -> M2POSelectio
     k0 = _topk_size(numel)
     top_vals, top_idx = torch.topk(key_flat, k0, largest=True, sorted=True)
     r_rest = key_flat.index_fill(0, top_idx, 0.0).sum(dtype=torch.float64)
-    parts = [top_vals, valid.sum().view(1), r_rest.view(1), d2.max().view(1)]  # max over ALL positions
-    if paper:
-        parts += [trust.sum().view(1), d2_valid.sum(dtype=torch.float64).view(1)]
-    elif trust is not None:
-        parts += [trust.sum().view(1), torch.where(trust, d2, 0.0).sum(dtype=torch.float64).view(1)]
+    scalars = [valid.sum(), r_rest, tok.delta.max()]  # max over ALL positions (NaN propagates)
+    dv_flat = tok.dv.reshape(-1)
+    if paper:  # the trust-region count, and the delta^2 sum over valid tokens (stats only: a float32 dot)
+        scalars += [torch.count_nonzero(tok.r), torch.dot(dv_flat, dv_flat)]
+    elif tok.r is not None:  # the trust-region count and delta^2 sum (stats only)
+        r_flat = tok.r.reshape(-1)
+        scalars += [torch.count_nonzero(tok.r), torch.dot(r_flat, r_flat)]
     on_cpu = _host_tensors(device)
     if not on_cpu:  # the general path needs the candidate count as a host int to stay sync-free
-        parts.append((key > tau32).sum().view(1))
-    packed = torch.cat(parts)  # promotes to float64 (r_rest): exact for float32 values and counts < 2^53
+        scalars.append((key > tau32).sum())
+    # Promotes to float64 (r_rest): exact for float32 values and counts < 2^53.
+    packed = torch.cat([top_vals, torch.stack(scalars)])
     host = packed.numpy() if on_cpu else packed.cpu().numpy()  # the single host sync
     top = host[:k0]  # keys, descending (float32 values, exact in float64)
     n_valid, r_rest_h = int(host[k0]), float(host[k0 + 1])
-    ratios_finite = bool(host[k0 + 2] < _exp_safe_d2(ratio_dtype))
+    ratios_finite = bool(host[k0 + 2] < _exp_safe_max(ratio_dtype))
     rev = np.cumsum(top[::-1])  # rev[i] = sum of the last i + 1 top values
     s_cand = r_rest_h + float(rev[-1])  # S = rem_0: delta^2 sum over the candidates
     if paper:
-        n_cand, n_tr = int(host[k0 + 3]), int(host[k0 + 3])
+        n_cand = n_tr = int(host[k0 + 3])
         sum_valid, sum_tr = float(host[k0 + 4]), s_cand
     else:
         n_cand, sum_valid = n_valid, s_cand
-        n_tr, sum_tr = (int(host[k0 + 3]), float(host[k0 + 4])) if trust is not None else (0, 0.0)
+        n_tr, sum_tr = (int(host[k0 + 3]), float(host[k0 + 4])) if tok.r is not None else (0, 0.0)
 
     if n_valid == 0:  # nothing valid: nothing kept, nothing to report
         return _empty_selection(shape, device, ratios_finite)
     if math.isnan(sum_valid) or math.isnan(s_cand):
-        return _nan_selection(d2, valid, trust, n_valid, ratios_finite)
+        return _nan_selection(tok, n_valid, ratios_finite)
 
     if s_cand <= tau * n_cand:
         # Fast path (a): the bound already holds, k* = 0.  No sort, nothing to mask.
@@ -558,22 +616,22 @@ def _select_by_masking(d2, valid, trust, tau, rule, ratio_dtype) -> M2POSelectio
             sums += [sum_valid, sum_valid - dropped_sum, sum_tr, sum_tr - dropped_sum, float(k_star == n_valid)]
             stats = _stats_from_host(sums, device)
         else:
-            stats = _stats_from_device(_device_sums(d2, valid, trust, keep))
+            stats = _stats_from_device(_device_sums(tok, keep))
         return M2POSelection(keep, stats, n_valid=n_valid, ratios_finite=ratios_finite)
 
     # General path: sort only the c candidates above tau (the lemma) -- one sort and one cumulative sum, no
     # further sync.
-    cand = key > tau32
+    cand = key_flat > tau32
     if on_cpu:
-        cand_idx = cand.reshape(-1).nonzero().squeeze(1)  # ascending flat index
+        cand_idx = cand.nonzero().squeeze(1)  # ascending flat index
     else:
         # ascending flat index; the size came with the single sync, so no further one here
-        cand_idx = torch.nonzero_static(cand.reshape(-1), size=int(host[-1])).squeeze(1)
+        cand_idx = torch.nonzero_static(cand, size=int(host[-1])).squeeze(1)
     c = cand_idx.numel()
     cand_vals = key_flat[cand_idx]
     # The one sort: rank by (delta^2 desc, flat index asc) -> among equal delta^2 the lower index goes first.
     order = _rank_desc_then_index(cand_vals, cand_idx)
-    small_sum = torch.where(cand, 0.0, key).sum(dtype=torch.float64)
+    small_sum = torch.where(cand, 0.0, key_flat).sum(dtype=torch.float64)
     k_star_t, found, rem = _drop_count(cand_vals[order], n_cand, small_sum, tau, rule)
     keep_flat = valid.reshape(-1).clone()
     keep_flat[cand_idx[order]] = torch.arange(c, device=device) >= k_star_t  # ranks < k* are masked
@@ -582,62 +640,61 @@ def _select_by_masking(d2, valid, trust, tau, rule, ratio_dtype) -> M2POSelectio
     if paper:
         k_f = k_star_t.to(torch.float64)
         dropped_sum = rem[0] - rem[k_star_t]
+        host_part = _host_vector([n_valid, n_tr, sum_valid, sum_tr], device)
         sums = torch.stack(
             [
-                _scalar(n_valid, device, torch.float64),
+                host_part[0],
                 n_valid - k_f,
-                _scalar(n_tr, device, torch.float64),
+                host_part[1],
                 n_tr - k_f,
-                _scalar(sum_valid, device, torch.float64),
+                host_part[2],
                 sum_valid - dropped_sum,
-                _scalar(sum_tr, device, torch.float64),
+                host_part[3],
                 rem[k_star_t],
                 (k_f == n_valid).to(torch.float64),
             ]
         )
     else:
-        sums = _device_sums(d2, valid, trust, keep)
+        sums = _device_sums(tok, keep)
     return M2POSelection(keep, _stats_from_device(sums), n_valid=n_valid, ratios_finite=ratios_finite)
 
 
-def _select_authors(delta, d2, valid, trust, tau, ratio_dtype, clip_floor_low, clip_floor_high) -> M2POSelection:
+def _select_authors(tok: _Tokens, tau, ratio_dtype, clip_floor_low, clip_floor_high) -> M2POSelection:
     """Rule "authors_code" (see :func:`m2po_select`)."""
-    device, shape = d2.device, d2.shape
-    parts = [
+    valid = tok.valid
+    device, shape = valid.device, valid.shape
+    key = tok.r.square()  # harmful delta^2, 0 elsewhere
+    dv_flat = tok.dv.reshape(-1)
+    scalars = [
         valid.sum(),
-        trust.sum(),
-        torch.where(trust, d2, 0.0).sum(dtype=torch.float64),
-        torch.where(valid, d2, 0.0).sum(dtype=torch.float64),
-        d2.max(),
+        torch.count_nonzero(tok.r),
+        key.sum(dtype=torch.float64),
+        torch.dot(dv_flat, dv_flat),
+        tok.delta.max(),
     ]
-    packed = torch.stack([p.to(torch.float64) for p in parts])
-    host = packed.tolist()  # the single host sync
+    host = torch.stack(scalars).tolist()  # the single host sync
     n_valid, n_harm, sum_harm, sum_valid = int(host[0]), int(host[1]), host[2], host[3]
-    ratios_finite = bool(host[4] < _exp_safe_d2(ratio_dtype))
+    ratios_finite = bool(host[4] < _exp_safe_max(ratio_dtype))
     no_clip = {"clip_log_bound": _scalar(math.inf, device)}
     if n_valid == 0:
-        sel = _empty_selection(shape, device, ratios_finite)
-        sel.stats.update(no_clip)
-        return sel
-    if math.isnan(sum_valid):
-        sel = _nan_selection(d2, valid, trust, n_valid, ratios_finite)
-        sel.stats.update(no_clip)
-        return sel
+        return _empty_selection(shape, device, ratios_finite, no_clip)
+    if math.isnan(sum_valid) or math.isnan(sum_harm):
+        return _nan_selection(tok, n_valid, ratios_finite, no_clip)
     # kpo_clip_harmful_tokens: no harmful token, or the harmful tokens' mean delta^2 within the budget (+1e-12):
     # no clip ("effectively no constraint").
     if n_harm == 0 or sum_harm / n_harm <= tau + _AUTHORS_EPS:
         sums = [n_valid, n_valid, n_harm, n_harm, sum_valid, sum_valid, sum_harm, sum_harm, 0.0]
         stats = _stats_from_host(sums, device, no_clip)
         return M2POSelection(valid.clone(), stats, n_valid=n_valid, ratios_finite=ratios_finite)
-    flat_trust = trust.reshape(-1)
+    flat_trust = tok.trust.reshape(-1)
     if _host_tensors(device):
         harm_idx = flat_trust.nonzero().squeeze(1)
     else:
         harm_idx = torch.nonzero_static(flat_trust, size=n_harm).squeeze(1)
-    cut2 = _authors_cut(torch.sort(d2.reshape(-1)[harm_idx]).values, tau)
-    clipped, low, high = _authors_clipped(delta, d2, trust, cut2, clip_floor_low, clip_floor_high)
+    cut2 = _authors_cut(torch.sort(key.reshape(-1)[harm_idx]).values, tau)
+    clipped, low, high = _authors_clipped(tok, cut2, clip_floor_low, clip_floor_high)
     keep = valid & ~clipped
-    stats = _stats_from_device(_device_sums(d2, valid, trust, keep), {"clip_log_bound": cut2.sqrt().float()})
+    stats = _stats_from_device(_device_sums(tok, keep), {"clip_log_bound": cut2.sqrt().float()})
     return M2POSelection(keep, stats, clipped, low, high, n_valid=n_valid, ratios_finite=ratios_finite)
 
 
@@ -724,22 +781,27 @@ def m2po_select_global(
         sel = m2po_select(
             flat_lr, flat_mask, tau, flat_adv, rule, clip_floor_low=clip_floor_low, clip_floor_high=clip_floor_high
         )
-        return sel if shapes is None else _split_selection(sel, flat_lr, flat_mask, flat_adv, shapes, rule)
+        return sel if shapes is None else _split_selection(sel, _prepare(flat_lr, flat_mask, flat_adv, rule), shapes)
     rank = dist.get_rank(group)
     device = flat_lr.device
-    delta, d2, valid, trust = _prepare(flat_lr, flat_mask, flat_adv, rule)
-    d2_flat, valid_flat = d2.reshape(-1), valid.reshape(-1)
-    cand = (trust if rule != "all_tokens" else valid).reshape(-1)
+    tok = _prepare(flat_lr, flat_mask, flat_adv, rule)
+    valid_flat = tok.valid.reshape(-1)
+    # Candidates and their delta^2 (key, 0 elsewhere): trust-region tokens, or every valid token for "all_tokens".
+    if rule == "all_tokens":
+        cand, key = valid_flat, tok.d2.reshape(-1)
+    else:
+        cand, key = tok.trust.reshape(-1), tok.r.square().reshape(-1)
     # The payload: the tokens that may be masked (by the lemma, for "paper" / "all_tokens" only the candidates
     # above tau; for "authors_code" every harmful token, since its cut may fall below tau), in local flat order.
-    sent = cand if rule == "authors_code" else cand & (d2_flat > _float32_floor(tau))
+    sent = cand if rule == "authors_code" else key > _float32_floor(tau)
+    dv_flat = tok.dv.reshape(-1)
     header = torch.stack(
         [
             cand.sum().double(),
             sent.sum().double(),
-            torch.where(cand & ~sent, d2_flat, 0.0).sum(dtype=torch.float64),  # candidates not sent
-            torch.where(sent, d2_flat, 0.0).sum(dtype=torch.float64),
-            torch.where(valid_flat, d2_flat, 0.0).sum(dtype=torch.float64),  # NaN = a NaN delta on a valid token
+            torch.where(sent, 0.0, key).sum(dtype=torch.float64),  # candidates not sent
+            torch.where(sent, key, 0.0).sum(dtype=torch.float64),
+            torch.dot(dv_flat, dv_flat).double() + key.sum(dtype=torch.float64),  # NaN: a NaN on a valid token
         ]
     )
     headers = [torch.empty_like(header) for _ in range(world)]
@@ -755,10 +817,10 @@ def m2po_select_global(
     else:
         sent_idx = torch.nonzero_static(sent, size=n_sent).squeeze(1)
     width = max(counts)
-    gathered = d2_flat.new_zeros(0)
+    gathered = key.new_zeros(0)
     if width > 0 and not nan_anywhere:
-        payload = d2_flat.new_zeros(width)
-        payload[:n_sent] = d2_flat[sent_idx]
+        payload = key.new_zeros(width)
+        payload[:n_sent] = key[sent_idx]
         buffers = [torch.empty_like(payload) for _ in range(world)]
         dist.all_gather(buffers, payload, group=group)
         gathered = torch.cat([b[:n] for b, n in zip(buffers, counts, strict=True)])  # global order
@@ -771,9 +833,8 @@ def m2po_select_global(
         keep = valid_flat.clone()
         if n_cand_all and sent_sum / n_cand_all > tau + _AUTHORS_EPS:
             cut2 = _authors_cut(torch.sort(gathered).values, tau)
-            clipped, low, high = _authors_clipped(
-                delta.reshape(-1), d2_flat, cand, cut2, clip_floor_low, clip_floor_high
-            )
+            clipped, low, high = _authors_clipped(tok, cut2, clip_floor_low, clip_floor_high)
+            clipped = clipped.reshape(-1)
             keep &= ~clipped
             extra = {"clip_log_bound": cut2.sqrt().float()}
     else:
@@ -785,38 +846,40 @@ def m2po_select_global(
         keep = valid_flat.clone()
         keep[sent_idx] = keep_global[offset : offset + n_sent]
         keep &= found  # "all_tokens" with no admissible k: nothing kept on any rank
+    shape = flat_lr.shape
     sel = M2POSelection(
-        keep.view(flat_lr.shape),
-        _stats_from_device(_device_sums(d2, valid, trust, keep.view(flat_lr.shape)), extra),
-        None if clipped is None else clipped.view(flat_lr.shape),
+        keep.view(shape),
+        _stats_from_device(_device_sums(tok, keep.view(shape)), extra),
+        None if clipped is None else clipped.view(shape),
         low,
         high,
     )
-    return sel if shapes is None else _split_selection(sel, flat_lr, flat_mask, flat_adv, shapes, rule)
+    return sel if shapes is None else _split_selection(sel, tok, shapes)
 
 
-def _split_selection(sel: M2POSelection, flat_lr, flat_mask, flat_adv, shapes, rule) -> list:
+def _split_selection(sel: M2POSelection, tok: _Tokens, shapes) -> list:
     """One selection over a flat concatenation -> one per micro-batch (local stats each)."""
     numels = [math.prod(s) for s in shapes]
-    delta, d2, valid, trust = _prepare(flat_lr, flat_mask, flat_adv, rule)
     extra = {"clip_log_bound": sel.stats["clip_log_bound"]} if "clip_log_bound" in sel.stats else None
+
+    def parts(t):
+        return t.reshape(-1).split(numels) if t is not None else [None] * len(shapes)
+
     out = []
-    trust_parts = trust.reshape(-1).split(numels) if trust is not None else [None] * len(shapes)
-    clipped_parts = sel.clipped.reshape(-1).split(numels) if sel.clipped is not None else [None] * len(shapes)
-    for shape, k, v, dd, tt, cl in zip(
+    for shape, k, v, dlt, dv, r, cl in zip(
         shapes,
-        sel.keep.reshape(-1).split(numels),
-        valid.reshape(-1).split(numels),
-        d2.reshape(-1).split(numels),
-        trust_parts,
-        clipped_parts,
+        parts(sel.keep),
+        parts(tok.valid),
+        parts(tok.delta),
+        parts(tok.dv),
+        parts(tok.r),
+        parts(sel.clipped),
         strict=True,
     ):
-        sums = _device_sums(dd, v, tt, k)
+        piece = _Tokens(dlt, v, dv, r)
+        stats = _stats_from_device(_device_sums(piece, k), extra)
         cl = None if cl is None else cl.view(shape)
-        out.append(
-            M2POSelection(k.view(shape), _stats_from_device(sums, extra), cl, sel.clip_log_low, sel.clip_log_high)
-        )
+        out.append(M2POSelection(k.view(shape), stats, cl, sel.clip_log_low, sel.clip_log_high))
     return out
 
 
@@ -954,7 +1017,5 @@ def reference_m2po_loss(
     kept_n = keep.sum()
     loss = -torch.where(keep, per_token, 0.0).sum() / kept_n.clamp(min=1).to(per_token.dtype)
 
-    d32 = d.float()
-    trust = _trust_region(d32, adv.expand(d.shape), valid)
-    sums = _device_sums(d32.square(), valid, trust, keep)
+    sums = _device_sums(_prepare(d, valid, adv, "all_tokens"), keep)
     return loss, _stats_from_device(sums)
