@@ -79,6 +79,8 @@ def test_global_selection_equals_single_process_over_the_concatenation(global_re
     rule, single = _single_process(case)
     got = torch.cat([k.reshape(-1) for r in range(WORLD) for k in global_results[r][case]["keep"]])
     assert got.tolist() == single.keep.tolist()
+    acc = torch.cat([k.reshape(-1) for r in range(WORLD) for k in global_results[r][case]["keep_accelerator_branch"]])
+    assert acc.tolist() == single.keep.tolist()
     # The stats are local (per rank and micro-batch); summed they are the single-process figures, except the
     # all-masked count, which counts every micro-batch that had valid tokens and kept none.
     per_part = [s for r in range(WORLD) for s in global_results[r][case]["sums"]]

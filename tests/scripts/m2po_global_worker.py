@@ -46,6 +46,18 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     None if s.clip_log_high is None else (s.clip_log_low.item(), s.clip_log_high.item()) for s in sels
                 ],
             }
+            # The accelerator branch (sizes from the header, nonzero_static), run on CPU.
+            on_host = losses._host_tensors
+            losses._host_tensors = lambda device: False
+            try:
+                sel_acc = losses.m2po_select_global(
+                    delta, mask, tau, adv, rule, clip_floor_low=low, clip_floor_high=high
+                )
+            finally:
+                losses._host_tensors = on_host
+            record["keep_accelerator_branch"] = [
+                s.keep.clone() for s in (sel_acc if isinstance(sel_acc, list) else [sel_acc])
+            ]
             if case == 0:  # the loss with a global selection: gradient only where kept
                 logp = delta.clone().requires_grad_()
                 loss, _ = losses.m2po_loss(logp, torch.zeros_like(delta), adv, mask, selection=sel)
