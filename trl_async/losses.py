@@ -115,9 +115,10 @@ class M2POSelection:
 
     Attributes:
         keep: bool, shape of the log ratio; True where the token enters the loss with its gradient.
-        stats: detached 0-dim tensors ``M2PO_STAT_KEYS`` and ``all_masked`` (bool), plus ``sums``: a float64
-            vector of ``M2PO_SUM_KEYS`` (sum it over micro-batches and ranks, then call :func:`m2po_metrics`), and
-            for ``"authors_code"`` ``clip_log_bound`` (tau_c; +inf when nothing is clipped).
+        stats: a read-only mapping (:class:`M2POStats`): ``sums``, a float64 vector of ``M2PO_SUM_KEYS`` (sum it
+            over micro-batches and ranks, then call :func:`m2po_metrics`); the ``M2PO_STAT_KEYS`` and ``all_masked``
+            (bool), detached 0-dim tensors derived from ``sums`` when read; for ``"authors_code"`` also
+            ``clip_log_bound`` (tau_c; +inf when nothing is clipped).
         clipped: ``"authors_code"`` only, and only when a clip binds: bool mask of the valid tokens whose ratio the
             PPO clip replaces by its bound (they add A * exp(bound) to the objective, without gradient).
         clip_log_low, clip_log_high: ``"authors_code"`` with a binding clip: the clip bounds in log space (0-dim).
@@ -126,7 +127,7 @@ class M2POSelection:
     """
 
     keep: Tensor
-    stats: dict
+    stats: M2POStats
     clipped: Tensor | None = None
     clip_log_low: Tensor | None = None
     clip_log_high: Tensor | None = None
@@ -506,7 +507,8 @@ def m2po_select(
     which the candidates left have mean delta^2 <= threshold.  Ties: among equal delta^2 the token with the lower
     flat (row-major) index is masked first.  "all_tokens" with no admissible k masks everything (``all_masked``).
     Padding is never kept and never counted.  A NaN delta on a valid token makes any bound unverifiable: nothing is
-    kept (``all_masked``).  +inf is simply the largest delta^2.
+    kept (``all_masked``); under "paper" / "authors_code" so does a NaN advantage, or an infinite delta with A = 0,
+    on a valid token (its trust-region membership is undefined).  +inf is simply the largest delta^2.
 
     Lemma used by every path: a candidate with delta^2 <= tau is never masked (if the smallest masked value v
     were <= tau, putting it back would keep the mean <= tau, contradicting minimality; once the remaining mean is
