@@ -263,6 +263,12 @@ def test_mask_edge_cases():
         d = torch.tensor([[float("nan"), 0.1, 0.1]])
         assert flat(m2po_mask(d, torch.ones_like(d), tau, one, rule)) == [False, False, False]
         assert flat(m2po_mask(d, torch.tensor([[0, 1, 1]]), tau, one, rule)) == [False, True, True]
+    # An infinite delta with A = 0 leaves trust-region membership undefined (inf * 0): the rules that depend on it
+    # keep nothing; "all_tokens" masks the infinite token like any other.
+    d = torch.tensor([[float("inf"), 0.1, 0.1]])
+    adv = torch.tensor([[0.0, 1.0, 1.0]])
+    for rule, expected in (("paper", [False] * 3), ("authors_code", [False] * 3), ("all_tokens", [False, True, True])):
+        assert flat(m2po_mask(d, torch.ones_like(d), tau, adv, rule)) == expected
     # A single valid token above the threshold: "all_tokens" keeps nothing (infeasible), "paper" masks it too
     # (T becomes empty), "authors_code" clips it (cut 0).
     d = torch.tensor([[0.3, 0.0]])

@@ -356,8 +356,9 @@ class _Tokens:
     delta: the log ratio in float32 (every position); valid: bool mask; dv: delta on valid tokens, 0 on padding
     (whatever padding holds never leaks); r: |delta| on trust-region tokens, 0 elsewhere (None without advantages):
     r = max(sign(A) * dv, 0), which is > 0 exactly when (A > 0 and delta > 0) or (A < 0 and delta < 0) -- multiplying
-    by +-1 or 0 never rounds.  It is NaN where delta or A is NaN (or delta is infinite with A = 0): such a token makes
-    every bound unverifiable.  d2 = dv^2 and trust = r > 0 are derived when first needed.
+    by +-1 or 0 never rounds.  It is NaN where delta is NaN or infinite with A = 0: such a token makes every bound
+    unverifiable.  (A NaN advantage has sign 0 in torch: not a trust-region token.)  d2 = dv^2 and trust = r > 0
+    are derived when first needed.
     """
 
     __slots__ = ("_d2", "_trust", "delta", "dv", "r", "valid")
@@ -507,8 +508,8 @@ def m2po_select(
     which the candidates left have mean delta^2 <= threshold.  Ties: among equal delta^2 the token with the lower
     flat (row-major) index is masked first.  "all_tokens" with no admissible k masks everything (``all_masked``).
     Padding is never kept and never counted.  A NaN delta on a valid token makes any bound unverifiable: nothing is
-    kept (``all_masked``); under "paper" / "authors_code" so does a NaN advantage, or an infinite delta with A = 0,
-    on a valid token (its trust-region membership is undefined).  +inf is simply the largest delta^2.
+    kept (``all_masked``); under "paper" / "authors_code" so does an infinite delta with A = 0 on a valid token
+    (its trust-region membership, sign(A) * delta, is undefined).  +inf is simply the largest delta^2.
 
     Lemma used by every path: a candidate with delta^2 <= tau is never masked (if the smallest masked value v
     were <= tau, putting it back would keep the mean <= tau, contradicting minimality; once the remaining mean is
