@@ -13,8 +13,8 @@ Staleness regimes for the log ratios delta = logp - logmu (tau = 0.04), calibrat
   b  stale: ~1% of the valid tokens masked
   c  very stale: ~20% masked
 
-Timing: the contenders are interleaved inside every repeat (the order rotates each repeat) so machine noise hits
-all of them alike.  The headline is the *paired* ratio to dapo: for every repeat, contender time / dapo time of the
+Timing: the contenders are interleaved inside every repeat, in a fresh random order each repeat, so machine noise
+and whatever a predecessor leaves behind hit all of them alike.  The headline is the *paired* ratio to dapo: for every repeat, contender time / dapo time of the
 same repeat; the table and the JSON give the median, min and max of those ratios (ratios of medians are in the JSON
 too, for reference only).
 
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -141,9 +142,13 @@ def _summary(values):
 def time_case(B, L, regime, repeats, warmup, seed, device, names):
     logp, old, adv, mask = make_inputs(B, L, regime, seed, device)
     times = {k: [] for k in names}
+    order_rng = random.Random(seed)
     for it in range(warmup + repeats):
-        shift = it % len(names)
-        for name in names[shift:] + names[:shift]:  # rotate the order every repeat
+        # A fresh random order every repeat: with a fixed (even rotating) cycle each contender always runs right
+        # after the same one, and what the predecessor leaves behind (allocator, caches) biases the pair.
+        order = list(names)
+        order_rng.shuffle(order)
+        for name in order:
             fn = CONTENDERS[name]
             logp.grad = None
             _sync(device)
@@ -175,7 +180,7 @@ def time_case(B, L, regime, repeats, warmup, seed, device, names):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats for the small shape (default 300)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats for the small shape (default 1000)")
     ap.add_argument("--repeats-large", type=int, default=None, help="timed repeats for the large shape (default 30)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
@@ -192,7 +197,7 @@ def main(argv=None):
         args.out = str(Path(__file__).resolve().parent / "results" / name)
 
     torch.set_num_threads(args.threads)
-    rep_small = args.repeats or (20 if args.quick else 300)
+    rep_small = args.repeats or (20 if args.quick else 1000)
     rep_large = args.repeats_large or (3 if args.quick else 30)
     warmup = 2 if args.quick else args.warmup
 

@@ -394,30 +394,46 @@ def _regime_case(seed: int, B: int, T: int, regime: str, rule: str = "all_tokens
     return vals, torch.tensor(lengths_mask(lengths, T)), adv
 
 
+def _accelerator_branch(monkeypatch):
+    """Run the path taken for tensors outside host memory (one packed read, nonzero_static) on CPU."""
+    import trl_async.losses as losses_module
+
+    monkeypatch.setattr(losses_module, "_host_tensors", lambda device: False)
+
+
+@pytest.mark.parametrize("branch", ["host", "accelerator"])
 @pytest.mark.parametrize("rule", ["paper", "all_tokens"])
 @pytest.mark.parametrize(
-    ("regime", "expect_sort", "frac_range"),
+    ("regime", "expect_topk", "expect_sort", "frac_range"),
     [
-        ("none", False, (0.0, 0.0)),
-        ("1pct", False, (0.003, 0.02)),
-        ("20pct", True, (0.12, 0.3)),
-        ("all", True, (1.0, 1.0)),
+        ("none", False, False, (0.0, 0.0)),
+        ("1pct", True, False, (0.003, 0.02)),
+        ("20pct", True, True, (0.12, 0.3)),
+        ("all", True, True, (1.0, 1.0)),
     ],
 )
-def test_fast_paths_are_hit_and_exact(monkeypatch, rule, regime, expect_sort, frac_range):
+def test_fast_paths_are_hit_and_exact(monkeypatch, branch, rule, regime, expect_topk, expect_sort, frac_range):
+    # Fast path (a), bound already met: no sort -- and on the host not even the top-k (its sums are read first).
+    # Fast path (b), a few tokens to mask: the top-k decides, no sort.  Otherwise one sort of the candidates.
+    if branch == "accelerator":
+        _accelerator_branch(monkeypatch)
+        expect_topk = True  # one packed read: the top-k is always taken
     spy = _SortSpy(monkeypatch)
     for seed in range(4):
         delta, mask, adv = _regime_case(seed, 8, 256, regime, rule)
-        before = spy.general
+        before_sort, before_topk = spy.general, spy.topks
         expected = check_against_brute(rule, delta, mask, 0.04, adv)
         frac = 1.0 - sum(expected) / int(mask.sum())
         assert frac_range[0] <= frac <= frac_range[1], frac
-        assert (spy.general > before) == expect_sort
-    assert spy.topks > 0
+        assert (spy.general > before_sort) == expect_sort
+        assert (spy.topks > before_topk) == expect_topk
 
 
+@pytest.mark.parametrize("branch", ["host", "accelerator"])
 @pytest.mark.parametrize("rule", ["paper", "all_tokens"])
-def test_topk_path_with_ties_at_the_cut(monkeypatch, rule):
+def test_topk_path_with_ties_at_the_cut(monkeypatch, rule, branch):
+    if branch == "accelerator":
+        _accelerator_branch(monkeypatch)
     # 2048 tokens, k0 = 16: five tokens share delta^2 = 1 and only some of them must go; the lowest flat
     # indices among the tied ones are dropped, decided inside the top-k (no full sort).
     spy = _SortSpy(monkeypatch)
@@ -439,9 +455,12 @@ def test_topk_path_with_ties_at_the_cut(monkeypatch, rule):
     assert kept_tied == [(5, 7), (7, 255)]
 
 
+@pytest.mark.parametrize("branch", ["host", "accelerator"])
 @pytest.mark.parametrize("rule", ["paper", "all_tokens"])
 @pytest.mark.parametrize(("n_big", "expect_sort"), [(0, False), (10, False), (40, True)])
-def test_mean_exactly_at_threshold_is_kept_in_every_path(monkeypatch, rule, n_big, expect_sort):
+def test_mean_exactly_at_threshold_is_kept_in_every_path(monkeypatch, rule, n_big, expect_sort, branch):
+    if branch == "accelerator":
+        _accelerator_branch(monkeypatch)
     # 2048 tokens (top-k window k0 = 16): n_big tokens with delta^2 = 1, then R = 2048 - n_big tokens of which
     # R/2 have delta^2 = 1/16 and the rest 1/2^60 (positive, so trust-region tokens with A > 0, and 0 once
     # squared in float32).  With tau = 1/32, dropping exactly the big ones leaves a mean of exactly tau (all
@@ -479,9 +498,7 @@ def test_mask_matches_brute_force_larger(seed):
 def test_accelerator_branch_matches_brute_force(monkeypatch, rule, regime):
     # On an accelerator sizes come with the single sync and nonzero_static compacts the candidates; run that
     # branch on CPU so it is tested without a GPU.
-    import trl_async.losses as losses_module
-
-    monkeypatch.setattr(losses_module, "_host_tensors", lambda device: False)
+    _accelerator_branch(monkeypatch)
     spy = _SortSpy(monkeypatch)
     for seed in range(3):
         delta, mask, adv = _regime_case(50 + seed, 4, 200, regime, "paper" if rule != "all_tokens" else rule)
@@ -947,6 +964,9 @@ def test_sync_counter_sees_syncs(monkeypatch):
     "regime", ["nothing", "topk", "topk_ties", "general", "all_masked", "no_valid", "empty", "nan"]
 )
 def test_at_most_one_host_sync_per_call(monkeypatch, rule, regime):
+    # Counted on the accelerator branch: on the host branch values already sit in host memory, so reading them
+    # (twice at most) waits for nothing.
+    _accelerator_branch(monkeypatch)
     if regime in ("nothing", "topk", "general", "all_masked", "nan"):
         kind = {"nothing": "none", "topk": "1pct", "general": "20pct", "all_masked": "all", "nan": "none"}[regime]
         delta, mask, adv = _regime_case(3, 8, 256, kind, "paper")

@@ -180,9 +180,9 @@ def _scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float
 def _host_vector(values: list, device: torch.device) -> Tensor:
     """A float64 vector of host numbers on ``device`` without a device sync: on an accelerator it is copied from
     pinned memory asynchronously (a copy from pageable memory would wait for the stream)."""
-    vec = torch.tensor(values, dtype=torch.float64)
     if device.type == "cpu":
-        return vec
+        return torch.from_numpy(np.array(values, dtype=np.float64))
+    vec = torch.tensor(values, dtype=torch.float64)
     if torch.cuda.is_available():
         vec = vec.pin_memory()
     return vec.to(device, non_blocking=True)
@@ -361,10 +361,11 @@ class _Tokens:
     are derived when first needed.
     """
 
-    __slots__ = ("_d2", "_trust", "delta", "dv", "r", "valid")
+    __slots__ = ("_d2", "_trust", "delta", "dv", "owned", "r", "valid")
 
-    def __init__(self, delta, valid, dv, r):
+    def __init__(self, delta, valid, dv, r, owned=False):
         self.delta, self.valid, self.dv, self.r = delta, valid, dv, r
+        self.owned = owned  # valid is a fresh tensor (not the caller's mask, not an expanded view): may be returned
         self._d2 = self._trust = None
 
     @property
@@ -383,8 +384,9 @@ class _Tokens:
 def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: str) -> _Tokens:
     device, shape = log_ratio.device, log_ratio.shape
     valid = mask.to(device=device, dtype=torch.bool)
+    owned = valid is not mask
     if valid.shape != shape:
-        valid = valid.expand(shape)
+        valid, owned = valid.expand(shape), False
     delta = log_ratio.detach()
     if delta.dtype != torch.float32:
         delta = delta.float()  # delta^2 is ranked in float32
@@ -392,9 +394,9 @@ def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: s
     if advantages is None:
         if rule != "all_tokens":
             raise ValueError(f"rule={rule!r} needs the advantages (its candidates are the trust-region tokens).")
-        return _Tokens(delta, valid, dv, None)
+        return _Tokens(delta, valid, dv, None, owned)
     sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()
-    return _Tokens(delta, valid, dv, (dv * sign).clamp(min=0.0))
+    return _Tokens(delta, valid, dv, torch.mul(dv, sign).clamp_(min=0.0), owned)
 
 
 def _empty_selection(shape, device, ratios_finite=False, extra=None) -> M2POSelection:
@@ -534,18 +536,82 @@ def m2po_select(
     tok = _prepare(log_ratio, mask, advantages, rule)
     if rule == "authors_code":
         return _select_authors(tok, tau, log_ratio.dtype, clip_floor_low, clip_floor_high)
+    if _host_tensors(log_ratio.device):
+        return _select_by_masking_host(tok, tau, rule, log_ratio.dtype)
     return _select_by_masking(tok, tau, rule, log_ratio.dtype)
 
 
-def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.dtype) -> M2POSelection:
-    """Rules "paper" and "all_tokens" (see :func:`m2po_select`)."""
+@functools.cache
+def _arange_from_1(k0: int) -> np.ndarray:
+    ks = np.arange(1, k0 + 1, dtype=np.float64)
+    ks.flags.writeable = False
+    return ks
+
+
+def _stat_scalars(tok: _Tokens, paper: bool) -> list:
+    """The per-call scalars besides the ranking: [valid count, max delta over ALL positions (NaN propagates),
+    trust-region count, delta^2 sum for the stats (over valid tokens for "paper", over trust-region tokens
+    otherwise, there a float32 dot)] -- the last two only when advantages are given."""
+    scalars = [tok.valid.sum(), tok.delta.max()]
+    if paper:  # (float64: the kept tokens' sum is taken from it by difference)
+        scalars += [torch.count_nonzero(tok.r), tok.d2.sum(dtype=torch.float64)]
+    elif tok.r is not None:
+        r_flat = tok.r.reshape(-1)
+        scalars += [torch.count_nonzero(tok.r), torch.dot(r_flat, r_flat)]
+    return scalars
+
+
+def _select_by_masking_host(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.dtype) -> M2POSelection:
+    """Rules "paper" and "all_tokens" for tensors in host memory (CPU), where reading a value costs no sync.
+
+    First the counts and sums alone: when the bound already holds (the common, near on-policy case) that decides,
+    and the top-k is skipped.  Otherwise the accelerator path runs with these scalars already known.  Same answers
+    (both paths are tested against the brute force).
+    """
+    paper = rule == "paper"
+    key = tok.r.square() if paper else tok.d2
+    scalars = _stat_scalars(tok, paper)
+    host = [x.item() for x in (*scalars, key.sum(dtype=torch.float64))]  # host memory: reads, no device sync
+    known, s_cand = host[:-1], host[-1]
+    n_valid = int(known[0])
+    n_cand = int(known[2]) if paper else n_valid
+    if n_valid and s_cand <= tau * n_cand:  # the bound already holds: nothing to rank, nothing to mask
+        valid = tok.valid
+        ratios_finite = known[1] < _exp_safe_max(ratio_dtype)
+        if paper:
+            n_tr, sum_valid, sum_tr = n_cand, known[3], s_cand
+        else:
+            sum_valid = s_cand
+            n_tr, sum_tr = (int(known[2]), known[3]) if tok.r is not None else (0, 0.0)
+        if not math.isnan(sum_valid):
+            sums = [n_valid, n_valid, n_tr, n_tr, sum_valid, sum_valid, sum_tr, sum_tr, 0.0]
+            keep = valid if tok.owned else valid.clone()
+            stats = _stats_from_host(sums, valid.device)
+            return M2POSelection(keep, stats, n_valid=n_valid, ratios_finite=ratios_finite)
+    return _select_by_masking(tok, tau, rule, ratio_dtype, key=key, known=known, s_key=s_cand)
+
+
+def _select_by_masking(
+    tok: _Tokens,
+    tau: float,
+    rule: str,
+    ratio_dtype: torch.dtype,
+    key: Tensor | None = None,
+    known: list | None = None,
+    s_key: float | None = None,
+) -> M2POSelection:
+    """Rules "paper" and "all_tokens" (see :func:`m2po_select`), in one packed device-to-host read.
+
+    ``key`` / ``known`` / ``s_key``: the candidates' delta^2, the :func:`_stat_scalars` and the float64 sum of
+    ``key``, already read (host path)."""
     valid = tok.valid
     device, shape, numel = valid.device, valid.shape, valid.numel()
     paper = rule == "paper"
     tau32 = _float32_floor(tau)  # exact stand-in for tau in comparisons against float32 delta^2
     # key > tau (>= 0) exactly marks the candidates that may be masked; padding and non-candidates have key 0.
     # (r^2 equals delta^2 bit for bit: squaring ignores the sign.)
-    key = tok.r.square() if paper else tok.d2
+    if key is None:
+        key = tok.r.square() if paper else tok.d2
     key_flat = key.reshape(-1)
 
     # ---- everything the decisions need, read in ONE host sync -----------------------------------------
@@ -557,31 +623,36 @@ def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.d
     # sums of non-negative terms only (no cancellation, no inf - inf), exact whatever order topk gives to ties.
     k0 = _topk_size(numel)
     top_vals, top_idx = torch.topk(key_flat, k0, largest=True, sorted=True)
-    r_rest = key_flat.index_fill(0, top_idx, 0.0).sum(dtype=torch.float64)
-    scalars = [valid.sum(), r_rest, tok.delta.max()]  # max over ALL positions (NaN propagates)
-    dv_flat = tok.dv.reshape(-1)
-    if paper:  # the trust-region count, and the delta^2 sum over valid tokens (stats only: a float32 dot)
-        scalars += [torch.count_nonzero(tok.r), torch.dot(dv_flat, dv_flat)]
-    elif tok.r is not None:  # the trust-region count and delta^2 sum (stats only)
-        r_flat = tok.r.reshape(-1)
-        scalars += [torch.count_nonzero(tok.r), torch.dot(r_flat, r_flat)]
     on_cpu = _host_tensors(device)
-    if not on_cpu:  # the general path needs the candidate count as a host int to stay sync-free
-        scalars.append((key > tau32).sum())
-    # Promotes to float64 (r_rest): exact for float32 values and counts < 2^53.
-    packed = torch.cat([top_vals, torch.stack(scalars)])
-    host = packed.numpy() if on_cpu else packed.cpu().numpy()  # the single host sync
-    top = host[:k0]  # keys, descending (float32 values, exact in float64)
-    n_valid, r_rest_h = int(host[k0]), float(host[k0 + 1])
-    ratios_finite = bool(host[k0 + 2] < _exp_safe_max(ratio_dtype))
+    if on_cpu and s_key is not None and math.isfinite(s_key):
+        # The host path already summed key: r_rest by difference, one reduction less.  (Both are float64 sums of
+        # float32 values: the difference is off by ~1e-16 of the total at most, far below float32 resolution, and
+        # exact on dyadic data; the total is finite, so no inf - inf.)
+        top = top_vals.numpy().astype(np.float64)
+        host = [max(s_key - float(top.sum()), 0.0)]
+    elif on_cpu:  # host memory: reading is free (and item() is cheaper than packing)
+        r_rest = key_flat.index_fill(0, top_idx, 0.0).sum(dtype=torch.float64)
+        top = top_vals.numpy().astype(np.float64)
+        host = [x.item() for x in [r_rest] + (_stat_scalars(tok, paper) if known is None else [])]
+    else:
+        r_rest = key_flat.index_fill(0, top_idx, 0.0).sum(dtype=torch.float64)
+        scalars = [r_rest] + (_stat_scalars(tok, paper) if known is None else [])
+        scalars.append((key > tau32).sum())  # the general path needs the candidate count to stay sync-free
+        # Promotes to float64 (r_rest): exact for float32 values and counts < 2^53.
+        packed = torch.cat([top_vals, torch.stack(scalars)]).cpu().numpy()  # the single host sync
+        top, host = packed[:k0], [float(x) for x in packed[k0:]]  # keys descending (float32 values, exact)
+    r_rest_h = host[0]
+    known = host[1:] if known is None else known
+    n_valid = int(known[0])
+    ratios_finite = bool(known[1] < _exp_safe_max(ratio_dtype))
     rev = np.cumsum(top[::-1])  # rev[i] = sum of the last i + 1 top values
     s_cand = r_rest_h + float(rev[-1])  # S = rem_0: delta^2 sum over the candidates
     if paper:
-        n_cand = n_tr = int(host[k0 + 3])
-        sum_valid, sum_tr = float(host[k0 + 4]), s_cand
+        n_cand = n_tr = int(known[2])
+        sum_valid, sum_tr = known[3], s_cand
     else:
         n_cand, sum_valid = n_valid, s_cand
-        n_tr, sum_tr = (int(host[k0 + 3]), float(host[k0 + 4])) if tok.r is not None else (0, 0.0)
+        n_tr, sum_tr = (int(known[2]), known[3]) if tok.r is not None else (0, 0.0)
 
     if n_valid == 0:  # nothing valid: nothing kept, nothing to report
         return _empty_selection(shape, device, ratios_finite)
@@ -590,15 +661,12 @@ def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.d
 
     if s_cand <= tau * n_cand:
         # Fast path (a): the bound already holds, k* = 0.  No sort, nothing to mask.
-        keep = valid.clone()  # never alias the caller's mask
+        keep = valid if tok.owned else valid.clone()  # never alias the caller's mask
         sums = [n_valid, n_valid, n_tr, n_tr, sum_valid, sum_valid, sum_tr, sum_tr, 0.0]
         return M2POSelection(keep, _stats_from_host(sums, device), n_valid=n_valid, ratios_finite=ratios_finite)
 
-    rem_top = np.empty(k0)  # rem_k for k = 1..k0 (position k - 1)
-    rem_top[:-1] = rev[-2::-1]
-    rem_top[-1] = 0.0
-    rem_top += r_rest_h
-    ks = np.arange(1, k0 + 1, dtype=np.float64)
+    rem_top = np.append(rev[-2::-1], 0.0) + r_rest_h  # rem_k for k = 1..k0 (position k - 1)
+    ks = _arange_from_1(k0)
     ok = rem_top <= tau * (n_cand - ks)
     ok &= top > tau  # the k-th largest must be a candidate above tau (exact: float32 values vs tau in float64)
     if not paper:
@@ -612,7 +680,10 @@ def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.d
             drop = top_idx[:k_star]
         else:  # order the top-k0 by (value desc, flat index asc), see the general path below
             drop = top_idx[_rank_desc_then_index(top_vals, top_idx)[:k_star]]
-        keep = valid.reshape(-1).index_fill(0, drop, False).view(shape)
+        flat_valid = valid.reshape(-1)
+        # No copy when valid is ours and nothing reads it afterwards ("paper": the stats come from the host).
+        fill = flat_valid.index_fill_ if (tok.owned and paper) else flat_valid.index_fill
+        keep = fill(0, drop, False).view(shape)
         dropped_sum = s_cand - float(rem_top[first])
         if paper:  # every masked token is a trust-region token
             sums = [n_valid, n_valid - k_star, n_tr, n_tr - k_star]
@@ -629,7 +700,7 @@ def _select_by_masking(tok: _Tokens, tau: float, rule: str, ratio_dtype: torch.d
         cand_idx = cand.nonzero().squeeze(1)  # ascending flat index
     else:
         # ascending flat index; the size came with the single sync, so no further one here
-        cand_idx = torch.nonzero_static(cand, size=int(host[-1])).squeeze(1)
+        cand_idx = torch.nonzero_static(cand, size=int(host[-1])).squeeze(1)  # (host[-1]: the count)
     c = cand_idx.numel()
     cand_vals = key_flat[cand_idx]
     # The one sort: rank by (delta^2 desc, flat index asc) -> among equal delta^2 the lower index goes first.
@@ -675,7 +746,10 @@ def _select_authors(tok: _Tokens, tau, ratio_dtype, clip_floor_low, clip_floor_h
         torch.dot(dv_flat, dv_flat),
         tok.delta.max(),
     ]
-    host = torch.stack(scalars).tolist()  # the single host sync
+    if _host_tensors(device):
+        host = [x.item() for x in scalars]  # host memory: reads, no device sync
+    else:
+        host = torch.stack(scalars).tolist()  # the single host sync
     n_valid, n_harm, sum_harm, sum_valid = int(host[0]), int(host[1]), host[2], host[3]
     ratios_finite = bool(host[4] < _exp_safe_max(ratio_dtype))
     no_clip = {"clip_log_bound": _scalar(math.inf, device)}
