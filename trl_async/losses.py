@@ -517,11 +517,13 @@ def m2po_select(
     were <= tau, putting it back would keep the mean <= tau, contradicting minimality; once the remaining mean is
     > tau, masking a value <= tau only raises it).  So only candidates above tau are ever sorted.
 
-    Cost: one host sync (a single device-to-host read of one small packed tensor).  Fast path (a): the bound
-    already holds -> nothing to sort.  Fast path (b): the answer lies within the ~numel/128 largest candidates
-    -> decided from ``torch.topk`` partial sums.  Otherwise one sort of the candidates above tau and one cumulative
-    sum.  "authors_code": one sync, and one sort of the harmful tokens when the budget is broken.  delta^2 is ranked
-    in float32 (float64 inputs are rounded to float32 first), sums are accumulated in float64.
+    Cost on an accelerator: one host sync (a single device-to-host read of one small packed tensor).  Fast path
+    (a): the bound already holds -> nothing to sort.  Fast path (b): the answer lies within the ~numel/128 largest
+    candidates -> decided from ``torch.topk`` partial sums.  Otherwise one sort of the candidates above tau and one
+    cumulative sum.  On CPU (host memory: reading waits for nothing) the sums are read first and the top-k is only
+    taken when the bound is broken.  "authors_code": one read, and one sort of the harmful tokens when the budget is
+    broken.  delta^2 is ranked in float32 (float64 inputs are rounded to float32 first), the sums that decide are
+    accumulated in float64.
     """
     _check_rule(rule)
     _check_floors(rule, clip_floor_low, clip_floor_high)
