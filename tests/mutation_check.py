@@ -69,7 +69,7 @@ MUTATIONS = [
         "trl_async/grpo.py",
         "return self.state.global_step + (micro_step + group - 1) // a - micro_step // a",
         "return self.state.global_step",
-        ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
+        ("tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",),
         "a batch trained on across several optimizer steps is checked at its first use only",
     ),
     Mutation(
@@ -157,6 +157,25 @@ MUTATIONS = [
         "return (found == keys).any(1)",
         ("tests/test_math_answer_reward.py",),
         "the gold answer 42 matches the start of 421",
+    ),
+    # --------------------------------------------------------------------------------------- M2PO
+    Mutation(
+        "m2po_normalizer_ignores_accumulation",
+        "trl_async/grpo.py",
+        """        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
+        if args.m2po_variant == "m2po":""",
+        """        if args.m2po_variant == "m2po":""",
+        ("tests/test_m2po_trainer.py::test_trainer_m2po_loss_equals_an_independent_computation",),
+        "M2PO's loss is normalized by the generation batch, not by the accumulation window (TRL dapo's normalizer)",
+    ),
+    Mutation(
+        "m2po_paper_without_trust_region",
+        "trl_async/losses.py",
+        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
+        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
+        ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
+        "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
     ),
     # --------------------------------------------------------------------------------------- PPO
     Mutation(

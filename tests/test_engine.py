@@ -35,6 +35,13 @@ def dataset():
     return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
+def slow_length_reward(completions, **kwargs):
+    import time
+
+    time.sleep(0.6)  # runs in the generation process: makes generating a batch slower than a training step
+    return length_reward(completions)
+
+
 def logged_steps(trainer):
     return [h for h in trainer.state.log_history if "reward" in h]
 
@@ -51,13 +58,18 @@ def logged_steps(trainer):
         dict(num_iterations=2, max_staleness=2, per_device_train_batch_size=8),
         # weights published every second step only
         dict(weight_sync_steps=2, max_staleness=2),
+        # a generator slower than a training step: the trainer publishes new weights while a batch is being
+        # generated, so the version that generated it and the newest version differ when it is queued
+        dict(max_staleness=2, slow_reward=True),
     ],
-    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps"],
+    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps", "slow_generator"],
 )
 def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, tokenizer, schedule):
+    schedule = dict(schedule)
+    reward = slow_length_reward if schedule.pop("slow_reward", False) else length_reward
     args = make_args(tmp_path, max_steps=8, loss_type="dapo", trainer_generates_while_starting=False, **schedule)
     trainer = WeightTracingTrainer(
-        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=load_model(), reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     trainer.train()
     assert trainer.true_staleness, "no batch reached a loss"
@@ -76,22 +88,28 @@ class _EpochEnd(TrainerCallback):
         self.epochs += 1
 
 
-def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    ("num_prompts", "schedule"),
+    [
+        # 5 generation batches of one micro-step per epoch, 2 micro-steps per optimizer step: the epoch's last
+        # micro-step gets an optimizer step of its own, which the gate's schedule did not predict.
+        (10, dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=1)),
+        # One generation batch per epoch used over 3 micro-steps, 2 micro-steps per optimizer step: each batch is
+        # trained on across two optimizer steps, and each epoch ends with an extra step. Rows must be checked at
+        # their LAST use.
+        (6, dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=3)),
+    ],
+    ids=["accumulation_remainder", "multi_step_batches"],
+)
+def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path, tokenizer, num_prompts, schedule):
     """An epoch whose micro-steps do not fill the last accumulation window makes the Trainer step early at the
-    epoch's end: the generator's schedule was one version off, its queued batches become too stale and are evicted.
-    The run must skip them, go on, log them, and never train on a stale row."""
-    small = make_arithmetic_dataset(num_train=10, num_test=2, seed=3)["train"]  # 5 generation batches per epoch
+    epoch's end: the generator's schedule was off, its queued batches become too stale and are evicted. The run must
+    skip them, go on, log them, and never train on a stale row."""
+    small = make_arithmetic_dataset(num_train=num_prompts, num_test=2, seed=3)["train"]
     args = make_args(
-        tmp_path,
-        max_steps=9,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        steps_per_generation=1,
-        max_staleness=1,
-        loss_type="dapo",
-        trainer_generates_while_starting=False,
-    )
+        tmp_path, max_steps=9, num_generations=4, max_staleness=1, loss_type="dapo",
+        trainer_generates_while_starting=False, **schedule,
+    )  # fmt: skip
     trainer = WeightTracingTrainer(
         model=load_model(), reward_funcs=length_reward, args=args, train_dataset=small, processing_class=tokenizer
     )
@@ -101,7 +119,7 @@ def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path
     assert trainer.state.global_step == 9 and epochs.epochs >= 2
     evicted = sum(h.get("async/evicted", 0) for h in trainer.state.log_history)
     assert evicted > 0, "no batch was evicted: the test did not exercise eviction"
-    assert max(trainer.true_staleness) <= 1
+    assert max(trainer.true_staleness) <= 1, trainer.true_staleness
     fractions = [h["async/evicted_fraction"] for h in trainer.state.log_history if "async/evicted_fraction" in h]
     assert all(0 <= f < 1 for f in fractions)
 

@@ -33,7 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
 from .importance import fold_into_advantages, truncated_importance_weights
-from .losses import m2po_loss, reference_m2po_loss
+from .losses import m2po_loss, m2po_metrics, m2po_select_global, reference_m2po_loss
 from .rewards import is_tensor_reward
 from .rollout import GeneratorSpec, ModelSpec
 from .rollout.client import RolloutClient, RolloutSettings
@@ -42,9 +42,6 @@ from .rollout.prompts import is_iterable_dataset
 from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
-
-# How the `async/*` and `m2po/*` values appended during a logging window are reduced when TRL logs (TRL averages).
-_WINDOW_SUMS = ("m2po/all_masked_batches",)
 
 
 class _PublishWeights(TrainerCallback):
@@ -119,6 +116,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 environment_factory=given.get("environment_factory"),
             )
         super().__init__(*bound.args[1:], **bound.kwargs)
+        self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._rollout = RolloutClient(
             RolloutSettings(
                 max_staleness=self.args.max_staleness,
@@ -494,16 +492,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
-        if args.m2po_variant == "paper":
+        if args.m2po_variant == "m2po":
+            floors = dict(clip_floor_low=args.m2po_clip_floor_low, clip_floor_high=args.m2po_clip_floor_high)
+            selection = None
+            if args.m2po_scope == "global" and mode == "train":
+                # The whole optimizer batch (gradient_accumulation_steps=1: this micro-batch on every rank).
+                adv = advantages.detach().unsqueeze(1) if advantages.dim() == 1 else advantages.detach()
+                selection = m2po_select_global(
+                    per_token_logps.detach() - behaviour, mask, args.m2po_threshold, adv, args.m2po_rule, **floors
+                )
             loss, stats = m2po_loss(
-                per_token_logps,
-                behaviour,
-                advantages,
-                mask,
-                threshold=args.m2po_threshold,
-                normalizer=normalizer,
-                aligned_only=args.m2po_aligned_only,
-            )
+                per_token_logps, behaviour, advantages, mask, threshold=args.m2po_threshold, normalizer=normalizer,
+                rule=args.m2po_rule, selection=selection, **floors,
+            )  # fmt: skip
         else:
             loss, stats = reference_m2po_loss(
                 per_token_logps,
@@ -523,14 +524,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             loss = loss + self.beta * (per_token_kl * mask).sum() / normalizer
             metrics["kl"].append(self._global_masked_mean(per_token_kl, mask))
         metrics["entropy"].append(self._global_masked_mean(entropies, mask))
-        keys = ("masked_fraction", "m2_before", "m2_after")
-        values = gather(torch.stack([stats[k].float() for k in keys] + [stats["all_masked"].float()]).unsqueeze(0))
-        values = values.view(-1, len(keys) + 1)
-        for key, value in zip(keys, values[:, : len(keys)].mean(dim=0).tolist(), strict=True):
-            metrics[f"m2po/{key}"].append(value)
-        all_masked = values[:, -1].sum().item()  # micro-batches (over ranks) in which M2PO masked every token
-        metrics["m2po/all_masked_batches"].append(all_masked)
-        if all_masked:
+        # Token-weighted over the logging window and every rank (see `log`): sums here, ratios when logged.
+        sums = self.accelerator.reduce(stats["sums"].detach().to(torch.float64), reduction="sum")
+        self._m2po_window[mode] = sums if self._m2po_window.get(mode) is None else self._m2po_window[mode] + sums
+        if sums[-1] > 0:
             logger.warning(
                 "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
                 "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
@@ -572,14 +569,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------- metrics
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`GRPOTrainer.log`, plus the `async/*` metrics of the logging window. TRL averages every metric over the
-        window; counts (`m2po/all_masked_batches`) are summed instead, and `async/*` are computed for the window."""
+        """`GRPOTrainer.log`, plus the `async/*` and `m2po/*` metrics of the logging window, computed from window
+        totals (TRL averages the values appended during the window; a mean of per-batch fractions or maxima would not
+        mean what the names say): `m2po/*` are token-weighted over the window and every rank, and
+        `m2po/all_masked_batches` is a count."""
+        mode = "train" if self.model.training else "eval"
         if self.model.training and self._rollout_started():
             self._log_async_window()
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for key in _WINDOW_SUMS:
-            if key in metrics:
-                metrics[key] = [sum(metrics[key])]
+        window = self.__dict__.get("_m2po_window", {}).pop(mode, None)
+        if window is not None:
+            for key, value in m2po_metrics(window).items():
+                self._metrics[mode][f"m2po/{key}"] = [value]
         super().log(logs, start_time)
 
     def _log_async_window(self) -> None:
