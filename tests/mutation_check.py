@@ -33,6 +33,7 @@ class Mutation:
     new: str
     guards: tuple[str, ...]  # pytest node ids / files (relative to the repository root)
     why: str
+    timeout: float | None = None  # seconds; a mutant that hangs its guards past this is counted as killed
 
 
 MUTATIONS = [
@@ -103,7 +104,8 @@ MUTATIONS = [
         "self.trainable_store.publish(((name, parameters[name]) for name in self._trainable_names), version)",
         "pass",
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
-        "the generator keeps sampling from the start-up weights",
+        "the generator keeps sampling from the start-up weights (its gate then waits forever: a hang is a kill)",
+        timeout=300.0,
     ),
     # --------------------------------------------------------------------------------------- importance correction
     Mutation(
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as root:
                 shutil.copytree(pristine, root, dirs_exist_ok=True)
                 apply(m, root)
-                killed, tail = run_guards(m, root, args.timeout)
+                killed, tail = run_guards(m, root, m.timeout or args.timeout)
             verdict = "killed" if killed else "SURVIVED"
             print(f"{verdict:8s} {m.name:34s} {time.perf_counter() - start:6.0f}s  {tail}", flush=True)
             if not killed:
