@@ -70,37 +70,42 @@ def prompt_ids(tokenizer):
     return ids
 
 
-_TRAINERS = {}
-
-
-def grpo_trainer(model=None, **sampling):
-    """A real TRL `GRPOTrainer` with these sampling settings (its generation config is what the generation process
-    receives). Cached per setting when no model is given."""
+@pytest.fixture(scope="module")
+def grpo_trainer(tmp_path_factory):
+    """Builds a real TRL `GRPOTrainer` with the given sampling settings (its generation config is what the generation
+    process receives); cached per setting when no model is given."""
+    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    key = tuple(sorted(sampling.items()))
-    if model is None and key in _TRAINERS:
-        return _TRAINERS[key]
-    args = GRPOConfig(
-        output_dir=os.path.join("/tmp", "trl_async_test_backends"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=MAX_NEW_TOKENS,
-        **sampling,
-    )
-    trainer = GRPOTrainer(
-        model=model if model is not None else load_model(),
-        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-        args=args,
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_path()),
-        train_dataset=__import__("datasets").Dataset.from_dict({"prompt": ["x"] * 8}),
-    )
-    if model is None:
-        _TRAINERS[key] = trainer
-    return trainer
+    output_dir = str(tmp_path_factory.mktemp("grpo"))
+    cache = {}
+
+    def build(model=None, **sampling):
+        key = tuple(sorted(sampling.items()))
+        if model is None and key in cache:
+            return cache[key]
+        args = GRPOConfig(
+            output_dir=output_dir,
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=MAX_NEW_TOKENS,
+            **sampling,
+        )
+        trainer = GRPOTrainer(
+            model=model if model is not None else load_model(),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_path()),
+            train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}),
+        )
+        if model is None:
+            cache[key] = trainer
+        return trainer
+
+    return build
 
 
 def reference_processors(sampling: dict) -> list:
@@ -171,7 +176,7 @@ SAMPLING_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_behaviour_logprobs_equal_the_processed_distribution(case, prompt_ids):
+def test_behaviour_logprobs_equal_the_processed_distribution(case, prompt_ids, grpo_trainer):
     sampling = SAMPLING_CASES[case]
     trainer = grpo_trainer(**sampling)
     model = load_model()
@@ -191,7 +196,7 @@ def test_behaviour_logprobs_equal_the_processed_distribution(case, prompt_ids):
         assert (truncated - plain).abs()[mask].max() > 10 * TOLERANCE  # a top-50 truncation would be detected
 
 
-def test_behaviour_logprobs_of_a_lora_model(prompt_ids):
+def test_behaviour_logprobs_of_a_lora_model(prompt_ids, grpo_trainer):
     from peft import LoraConfig, get_peft_model
 
     sampling = SAMPLING_CASES["all_together"]
@@ -214,7 +219,7 @@ def test_behaviour_logprobs_of_a_lora_model(prompt_ids):
 
 
 # ------------------------------------------------------------------------------------------------ EOS, padding, seeds
-def test_completions_are_cut_at_the_first_eos_and_padded_with_zero_logprobs(prompt_ids):
+def test_completions_are_cut_at_the_first_eos_and_padded_with_zero_logprobs(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     eos, pad = list(trainer.eos_token_ids), trainer.processing_class.pad_token_id
     model = load_model()
@@ -242,7 +247,7 @@ def test_completions_are_cut_at_the_first_eos_and_padded_with_zero_logprobs(prom
     assert [len(c) for c in completion_ids] == [len(lp) for lp in logprobs] == lengths
 
 
-def test_a_seed_makes_a_batch_reproducible_and_leaves_the_callers_rng_alone(prompt_ids):
+def test_a_seed_makes_a_batch_reproducible_and_leaves_the_callers_rng_alone(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     model = load_model()
     torch.manual_seed(1234)
@@ -265,7 +270,7 @@ def test_a_seed_makes_a_batch_reproducible_and_leaves_the_callers_rng_alone(prom
     reason="BUG: without `seed`, generate_with_behaviour_logprobs samples from the caller's RNG and then restores it "
     "(torch.random.fork_rng), so every unseeded call on the same prompts draws the very same completions",
 )
-def test_unseeded_calls_draw_fresh_samples(prompt_ids):
+def test_unseeded_calls_draw_fresh_samples(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     model = load_model()
     torch.manual_seed(0)
@@ -313,7 +318,7 @@ def trainer_logprobs(trainer, prompt_ids, completion_ids, completion_mask) -> to
     return logps
 
 
-def test_hf_backend_built_from_shared_stores_reproduces_the_trainer_policy(prompt_ids):
+def test_hf_backend_built_from_shared_stores_reproduces_the_trainer_policy(prompt_ids, grpo_trainer):
     from peft import LoraConfig, get_peft_model
 
     from trl_async.rollout.client import publishable_parameters

@@ -181,6 +181,11 @@ def _record_two_ranks(output_dir: str) -> None:
     for name, overrides in {**TRAINER_VARIATIONS, **TWO_RANK_VARIATIONS}.items():
         trainer = build_grpo_trainer(os.path.join(output_dir, name), dataset, **overrides)
         records[name] = trainer_record(trainer)
+    # An iterable dataset: accelerate dispatches each global batch from rank 0 in consecutive slices.
+    trainer = build_grpo_trainer(
+        os.path.join(output_dir, "iterable"), dataset.to_iterable_dataset(), **TRAINER_VARIATIONS["num_iterations"]
+    )
+    records["iterable"] = trainer_record(trainer)
     rank = records["default"]["process_index"]
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(records, f)
@@ -196,13 +201,14 @@ def test_two_rank_streams_equal_each_rank_of_a_real_accelerate_launch(tmp_path, 
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
-    for name in {**TRAINER_VARIATIONS, **TWO_RANK_VARIATIONS}:
+    for name in [*TRAINER_VARIATIONS, *TWO_RANK_VARIATIONS, "iterable"]:
         per_rank = [ranks[k][name] for k in range(2)]
         assert [r["process_index"] for r in per_rank] == [0, 1] and per_rank[0]["num_processes"] == 2
         for record in per_rank:
             expected = record["batches"]
             assert len(expected) >= 2 * NUM_EPOCHS, name
-            assert stream_batches(record, dataset, len(expected)) == expected, (name, record["process_index"])
+            data = dataset.to_iterable_dataset() if name == "iterable" else dataset
+            assert stream_batches(record, data, len(expected)) == expected, (name, record["process_index"])
         # Together the ranks hold whole groups: each global batch is distinct prompts, each `num_generations` times.
         ng = per_rank[0]["num_generations"]
         for rank0, rank1 in zip(per_rank[0]["batches"], per_rank[1]["batches"], strict=True):

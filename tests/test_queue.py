@@ -198,8 +198,8 @@ def test_deferred_open_producer_waits_then_starts_at_the_opened_index():
         assert q.is_open
         with pytest.raises(RuntimeError, match="already open"):
             q.open(7)
-        first = q.get(last_use_version=5, timeout=60)
-        second = q.get(last_use_version=6, timeout=60)
+        first = q.get(last_use_version=5, timeout=30)
+        second = q.get(last_use_version=6, timeout=30)
         assert (first.index, second.index) == (5, 6)
         assert first.payload[0] == 5 and second.payload[0] == 6
         producer.join(10)
@@ -357,8 +357,8 @@ PAYLOAD_SIZE = 24 * 2**20  # 24 MiB: writing an item takes long enough for kills
 
 
 def _drain_until_dead(q, producer, next_index):
-    """Consume like the trainer does (on_wait = health check); return the intact items taken and the seconds between
-    the producer's death and the consumer regaining control."""
+    """Consume like the trainer does (on_wait = health check) until the check reports the producer dead; every item
+    taken must be whole. Returns the indices taken."""
 
     def check():
         if not producer.is_alive():
@@ -367,7 +367,8 @@ def _drain_until_dead(q, producer, next_index):
     taken = []
     with pytest.raises(ProducerDead):
         while True:
-            item = q.get(last_use_version=10**6, on_wait=check)  # a large use version: nothing counts as too old
+            # A large use version: nothing counts as too old. The timeout only turns a hang into a failure.
+            item = q.get(last_use_version=10**6, on_wait=check, timeout=60)
             assert item.index == next_index + len(taken)
             index, data = item.payload
             assert index == item.index and data == bytes([index % 251]) * PAYLOAD_SIZE, "a partial item was read"
@@ -438,7 +439,7 @@ def test_producer_killed_at_the_gate_never_blocks_the_consumer():
         started = time.perf_counter()
         with pytest.raises(ProducerDead):
             while True:
-                taken.append(q.get(last_use_version=0, on_wait=check).index)
+                taken.append(q.get(last_use_version=0, on_wait=check, timeout=60).index)
         assert time.perf_counter() - started < 10.0
         assert taken == [0, 1]
     finally:
@@ -475,7 +476,7 @@ def test_producer_killed_at_a_random_moment_never_blocks_the_consumer(seed):
         started = time.perf_counter()
         with pytest.raises(ProducerDead):
             while True:
-                item = q.get(last_use_version=0, on_wait=check)
+                item = q.get(last_use_version=0, on_wait=check, timeout=60)
                 assert item.payload[1] == bytes([item.index % 251]) * (PAYLOAD_SIZE // 4)
                 taken.append(item.index)
         assert time.perf_counter() - started < 10.0

@@ -5,6 +5,9 @@ A torn snapshot is detected from the data itself: every published version fills 
 the version number, so a consistent snapshot is constant and equals the version `read_into` returns. A control reader
 that copies the same buffers without the store's sequence check runs beside it and must see torn snapshots, which
 shows that the writer really overwrites the buffers while they are being read.
+
+Child processes are forked: a spawned child costs seconds of imports per test, and the store's buffers and counters
+are shared memory either way (`tests/test_backends.py` passes stores to a spawned generation process).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _reader(store: SharedWeightStore, num_reads: int, results) -> None:
 
 
 def test_concurrent_reader_never_sees_a_torn_snapshot():
-    ctx = torch_mp.get_context("fork")  # fast to start; the store shares the same memory either way
+    ctx = torch_mp.get_context("fork")
     store = make_store()
     store.publish(filled(0).items(), 0)
     stop, published = ctx.RawValue("i", 0), ctx.RawValue("q", 0)
@@ -138,7 +141,7 @@ def _publish_later(store: SharedWeightStore, delay: float, version: int) -> None
 
 
 def test_wait_for_version_returns_when_another_process_publishes():
-    ctx = torch_mp.get_context("fork")  # fast to start; the store shares the same memory either way
+    ctx = torch_mp.get_context("fork")
     store = make_store()
     store.publish(filled(0).items(), 0)
     assert store.wait_for_version(0, timeout=0.1) == 0  # already there: no wait
@@ -195,7 +198,7 @@ def _read_forever(store: SharedWeightStore, reads) -> None:
 
 
 def test_a_reader_killed_mid_read_never_blocks_the_next_publish():
-    ctx = torch_mp.get_context("fork")  # fast to start; the store shares the same memory either way
+    ctx = torch_mp.get_context("fork")
     store = make_store(BIG, ctx)
     store.publish(filled(0, BIG).items(), 0)
     rng = random.Random(1)
