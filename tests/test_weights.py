@@ -163,7 +163,7 @@ def test_wait_for_version_times_out_and_calls_on_wait():
         store.wait_for_version(5, timeout=1.0, on_wait=lambda: calls.append(time.perf_counter()))
     elapsed = time.perf_counter() - start
     assert 1.0 <= elapsed < 3.0
-    assert 3 <= len(calls) <= 6, calls  # about every 0.2 s
+    assert 2 <= len(calls) <= 6, calls  # about every 0.2 s (fewer when the machine stalls the process)
     assert all(later - earlier >= 0.19 for earlier, later in zip(calls, calls[1:], strict=False))
 
 
@@ -241,7 +241,7 @@ def test_a_writer_killed_mid_publish_yields_an_error_or_a_consistent_snapshot_ne
     store.publish(filled(0, BIG).items(), 0)
     rng = random.Random(2)
     refused = 0
-    for _ in range(6):
+    for _ in range(30):  # about half of the writer's time is spent copying: the first kills nearly always land
         published = ctx.RawValue("q", 0)
         writer = ctx.Process(target=_publish_forever, args=(store, published), daemon=True)
         writer.start()
