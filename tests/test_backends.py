@@ -264,12 +264,6 @@ def test_a_seed_makes_a_batch_reproducible_and_leaves_the_callers_rng_alone(prom
     assert torch.equal(torch.rand(3), torch.rand(3, generator=expected_next))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: without `seed`, generate_with_behaviour_logprobs samples from the caller's RNG and then restores it "
-    "(torch.random.fork_rng), so every unseeded call on the same prompts draws the very same completions",
-)
 def test_unseeded_calls_draw_fresh_samples(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     model = load_model()

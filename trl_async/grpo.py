@@ -204,6 +204,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 dtype=next(base.parameters()).dtype,
                 peft_config=model.peft_config[model.active_adapter] if is_peft else None,
                 adapter_name=model.active_adapter if is_peft else "default",
+                generation_defaults=getattr(base, "generation_config", None),
             ),
             generation_config=self.generation_config,
             temperature=self.temperature,

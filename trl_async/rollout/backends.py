@@ -52,6 +52,9 @@ class ModelSpec:
     dtype: torch.dtype
     peft_config: object | None = None  # peft.PeftConfig when the trainer trains an adapter
     adapter_name: str = "default"
+    # The trainer model's own `generation_config` (its generation_config.json): transformers fills the fields TRL's
+    # GenerationConfig leaves unset from it, so the generator's copy must carry the same defaults.
+    generation_defaults: object | None = None
 
 
 class GenerationBackend(abc.ABC):
@@ -187,7 +190,9 @@ def generate_with_behaviour_logprobs(
         attention_mask[row, width - len(ids) :] = 1
     recorder = _SampledTokenLogprobs(heartbeat)
     cuda_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices), _recording_behaviour_logprobs(model, recorder):
+    # With a seed, sample from it and leave the caller's RNG as it was; without one, draw from the caller's RNG.
+    rng = torch.random.fork_rng(devices=cuda_devices) if seed is not None else contextlib.nullcontext()
+    with rng, _recording_behaviour_logprobs(model, recorder):
         if seed is not None:
             torch.manual_seed(seed)
         sequences = model.generate(
@@ -238,6 +243,8 @@ class HFBackend(GenerationBackend):
         config = copy.deepcopy(spec.config)
         config.use_cache = True
         model = AutoModelForCausalLM.from_config(config, dtype=spec.dtype)
+        if spec.generation_defaults is not None:
+            model.generation_config = copy.deepcopy(spec.generation_defaults)
         if spec.peft_config is not None:
             from peft import get_peft_model
 

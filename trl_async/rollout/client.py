@@ -142,6 +142,7 @@ class RolloutClient:
             self._split_cores()
         self._write_trainer_state(trainer_state)
         self._next_index = 0
+        self._local_evicted_items = 0
         self._last_stats = self.queue.stats()
         self.process = GenerationProcess(
             spec,
@@ -198,7 +199,7 @@ class RolloutClient:
                 self._next_index = item.index + 1
                 break
             if self.process.ready:
-                self.queue.open(self._next_index)
+                self.queue.open(self._next_index, evicted_before=self._local_evicted_items)
                 self._split_cores()
                 logger.info("trl_async: generator ready after %.1fs; queue opened at batch %d",
                             time.time() - self.process.started_at, self._next_index)  # fmt: skip
@@ -209,6 +210,7 @@ class RolloutClient:
             if staleness <= self.settings.max_staleness:
                 break
             self._window["evicted_rows"] += len(batch.payload["rows"])
+            self._local_evicted_items += 1
         self._record(batch)
         return batch
 

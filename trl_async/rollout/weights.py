@@ -56,7 +56,9 @@ class SharedWeightStore:
         missing = set(self.buffers) - set(named_tensors)
         if missing:
             raise KeyError(f"publish() is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        self._sequence.value += 1  # odd: write in progress
+        # Odd: write in progress. `|= 1`, not `+= 1`: a publish that raised mid-copy left the sequence odd, and the
+        # next one must not turn it even while it writes.
+        self._sequence.value |= 1
         with torch.no_grad():
             for name, buffer in self.buffers.items():
                 buffer.copy_(named_tensors[name].detach())
