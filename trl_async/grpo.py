@@ -31,6 +31,7 @@ from .config import (
     ensure_async_fields,
     micro_steps_per_generation,
 )
+from .hub import ModelCardMixin
 from .importance import fold_into_advantages, truncated_importance_weights
 from .losses import m2po_loss, reference_m2po_loss
 from .rewards import is_tensor_reward
@@ -67,7 +68,7 @@ class _Rollout:
         self._finalizer()
 
 
-class AsyncGRPOTrainer(GRPOTrainer):
+class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that generates asynchronously and supports `loss_type="m2po"`.
 
     It takes exactly `GRPOTrainer`'s arguments. `args` may be a plain `trl.GRPOConfig` (the async defaults of
@@ -75,6 +76,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "trl-async"]
+    model_card_kind = "grpo"  # the card: trl_async.hub.ModelCardMixin
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         if args is not None:
