@@ -155,14 +155,16 @@ def load_model_and_tokenizer(name_or_path: str, model_args):
 
 
 def load_train_dataset(recipe, seed: int):
-    from trl_async.data import load_gsm8k, make_arithmetic_dataset
+    from accuracy import load_math_dataset
+
+    from trl_async.data import make_arithmetic_dataset
 
     if recipe.dataset == "arithmetic":
         splits = make_arithmetic_dataset(
             num_train=recipe.num_train_prompts, num_test=recipe.num_test_prompts, seed=seed
         )
         return splits["train"]
-    return load_gsm8k(recipe.dataset, split=recipe.dataset_split)
+    return load_math_dataset(recipe.dataset, recipe.dataset_split, "dataset", "dataset_split")
 
 
 def make_rewards(recipe, tokenizer) -> list:
@@ -178,9 +180,9 @@ def make_rewards(recipe, tokenizer) -> list:
 
 
 def dataset_hub_id(name: str | None) -> str | None:
-    from trl_async.hub import looks_like_hub_id
+    from accuracy import is_local
 
-    return name if name not in (None, "arithmetic") and looks_like_hub_id(name) else None
+    return name if name not in (None, "arithmetic") and not is_local(name) else None
 
 
 def parse_args(argv: list[str]):
@@ -249,13 +251,13 @@ def main(argv: list[str] | None = None):
     validate_push_args(training_args)
 
     # Everything that can fail on bad input fails here, before the model loads.
+    train_dataset = load_train_dataset(recipe, seed=training_args.seed)
     eval_dataset = eval_name = None
     if recipe.eval_accuracy:
         from accuracy import load_eval_dataset
 
         eval_dataset, eval_name = load_eval_dataset(recipe, seed=training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args)
-    train_dataset = load_train_dataset(recipe, seed=training_args.seed)
     state = PartialState()
 
     before = None
