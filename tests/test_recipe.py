@@ -136,6 +136,13 @@ def test_wilson_interval_against_the_formula_by_hand():
     assert accuracy.wilson_interval(0, 10)[0] == 0.0 and accuracy.wilson_interval(10, 10)[1] == pytest.approx(1.0)
 
 
+def test_evaluation_threads_default_to_one_for_small_models_on_cpu(monkeypatch):
+    model = torch.nn.Linear(4, 4)  # 20 parameters
+    assert accuracy.eval_threads(model, None) == 1 and accuracy.eval_threads(model, 3) == 3
+    monkeypatch.setattr(accuracy, "SMALL_MODEL_PARAMETERS", 20)
+    assert accuracy.eval_threads(model, None) is None  # large enough: torch's own setting is kept
+
+
 def test_tensor_reward_agrees_with_the_text_reward_on_the_tiny_model():
     """Why the tiny job can use the tensor reward: on the tiny model's own sampled completions (its tokenizer, its
     EOS), MathAnswerReward on ids and the regex on decoded text give the same score on every row."""
