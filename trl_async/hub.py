@@ -361,7 +361,8 @@ def build_model_card(summary: CardSummary):
     if summary.loss_type == "m2po":
         loss_description = (
             "M2PO (Zheng et al. 2025, arXiv 2510.01161): the tokens with the largest squared log importance ratio "
-            "against the behaviour policy are masked until their second moment is within `m2po_threshold`"
+            "against the behaviour policy are masked until the mean of that square over the kept tokens (the second "
+            "moment) is within `m2po_threshold`; no ε-clip"
         )
     else:
         loss_description = f"TRL's `{summary.loss_type}`"
@@ -543,7 +544,9 @@ class ModelCardMixin:
     It replaces `create_model_card`, which `Trainer.push_to_hub` calls after saving the model (so the card overwrites
     the one PEFT's `save_pretrained` writes) and TRL calls at every checkpoint. Accepts TRL's arguments
     (`model_name`, `dataset_name`, `tags`) and those of transformers' version that make sense here (`dataset`,
-    `finetuned_from`, `license`, `language`).
+    `finetuned_from`, `license`, `language`); transformers' `tasks`, `dataset_tags` and `dataset_args` are accepted
+    and not shown. The accuracy section comes from `output_dir/eval.json` when present (the recipe writes it; a
+    stale one left by an earlier run in the same output_dir would be reported too).
     """
 
     model_card_kind: str = "grpo"
