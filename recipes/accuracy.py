@@ -180,6 +180,23 @@ def evaluate_accuracy(
     threads = eval_threads(model, num_threads)
     completions = greedy_completions(model, tokenizer, list(dataset["prompt"]), max_new_tokens, batch_size, threads)
     hits = [scorer.score_text(text, gold) == 1.0 for text, gold in zip(completions, dataset["answer"], strict=True)]
+    return accuracy_from_hits(hits)
+
+
+def accuracy_from_hits(hits: list[bool]) -> dict:
+    """Accuracy, counts, Wilson 95% interval, and the per-problem hits (kept for the paired comparison)."""
     correct, total = sum(hits), len(hits)
     low, high = wilson_interval(correct, total)
-    return {"accuracy": correct / total, "correct": correct, "total": total, "ci95": [low, high], "hits": hits}
+    return {"accuracy": correct / total, "correct": correct, "total": total, "ci95": [low, high], "hits": list(hits)}
+
+
+def evaluate_sharded(state, model, tokenizer, dataset, **kwargs) -> dict:
+    """`evaluate_accuracy` with the problems split across the processes of `state` (accelerate's `PartialState`),
+    each taking a contiguous shard, and the hits gathered back in dataset order; every process gets the result."""
+    from accelerate.utils import gather_object
+
+    if state.num_processes == 1:
+        return evaluate_accuracy(model, tokenizer, dataset, **kwargs)
+    shard = dataset.shard(num_shards=state.num_processes, index=state.process_index, contiguous=True)
+    hits = evaluate_accuracy(model, tokenizer, shard, **kwargs)["hits"] if len(shard) else []
+    return accuracy_from_hits(gather_object(hits))

@@ -211,14 +211,16 @@ def parse_args(argv: list[str]):
     return recipe, training_args, model_args
 
 
-def run_accuracy(recipe, model, tokenizer, dataset, training_args) -> dict:
-    from accuracy import evaluate_accuracy
+def run_accuracy(recipe, state, model, tokenizer, dataset, training_args) -> dict:
+    """Greedy accuracy on `dataset`, split across all processes (every process must call it)."""
+    from accuracy import evaluate_sharded
 
-    max_new_tokens = recipe.eval_max_new_tokens or training_args.max_completion_length
     start = time.perf_counter()
-    result = evaluate_accuracy(
-        model, tokenizer, dataset, max_new_tokens, recipe.eval_generation_batch_size, recipe.eval_num_threads
-    )
+    result = evaluate_sharded(
+        state, model, tokenizer, dataset,
+        max_new_tokens=recipe.eval_max_new_tokens or training_args.max_completion_length,
+        batch_size=recipe.eval_generation_batch_size, num_threads=recipe.eval_num_threads,
+    )  # fmt: skip
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -270,16 +272,18 @@ def main(argv: list[str] | None = None):
 
         eval_dataset, eval_name = load_eval_dataset(recipe, seed=training_args.seed)
     model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args)
+    # The process state the trainer will use: transformers sets it up (CPU-aware for multi-process CPU runs) when
+    # the args' device is first read, and PartialState is a singleton that then returns it.
+    _ = training_args.device
     state = PartialState()
 
     before = None
-    if eval_dataset is not None and state.is_main_process:
+    if eval_dataset is not None:
         model.to(state.device)
-        before = run_accuracy(recipe, model, tokenizer, eval_dataset, training_args)
-        print(f"[qwen_math] greedy accuracy before training: {before['accuracy']:.3f} "
-              f"({before['correct']}/{before['total']} held-out problems of {eval_name}, {before['seconds']:.0f}s)",
-              flush=True)  # fmt: skip
-    state.wait_for_everyone()
+        before = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args)
+        if state.is_main_process:
+            print(f"[qwen_math] greedy accuracy before training: {before['accuracy']:.3f} ({before['correct']}/"
+                  f"{before['total']} held-out problems of {eval_name}, {before['seconds']:.0f}s)", flush=True)  # fmt: skip
 
     trainer = AsyncGRPOTrainer(
         model=model,
@@ -296,11 +300,12 @@ def main(argv: list[str] | None = None):
     output_dir = training_args.output_dir
     label = "AsyncGRPOTrainer" + ("" if training_args.async_generation else " (synchronous generation)")
     main_process = trainer.accelerator.is_main_process
-    if main_process and eval_dataset is not None:
+    after = None
+    if eval_dataset is not None:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        after = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args)
+    if main_process and after is not None:
         os.makedirs(output_dir, exist_ok=True)
-        after = run_accuracy(
-            recipe, trainer.accelerator.unwrap_model(trainer.model), tokenizer, eval_dataset, training_args
-        )
         results = accuracy_results(recipe, training_args, eval_name, before, after)
         write_eval_results(output_dir, results)
         print(f"[qwen_math] greedy accuracy on {results['num_samples']} held-out problems of {eval_name}: before "

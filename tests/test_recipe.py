@@ -143,6 +143,49 @@ def test_evaluation_threads_default_to_one_for_small_models_on_cpu(monkeypatch):
     assert accuracy.eval_threads(model, None) is None  # large enough: torch's own setting is kept
 
 
+SHARDED_EVAL_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import accuracy
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+
+state = PartialState(cpu=True)  # several CPU processes (gloo), as TrainingArguments(use_cpu=True) sets it up
+tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+rows = make_arithmetic_dataset(num_train=10, num_test=41, seed=0)["test"]  # 41: shards of 21 and 20
+result = accuracy.evaluate_sharded(state, model, tokenizer, rows, max_new_tokens=48, batch_size=16)
+json.dump(result, open(os.path.join(sys.argv[2], f"rank{state.process_index}.json"), "w"))
+"""
+
+
+def test_sharded_evaluation_across_two_processes_equals_one_process(tmp_path):
+    """Under a real two-process `accelerate launch` (gloo), each rank evaluates a shard; the gathered per-problem
+    hits are those of a single-process evaluation, in the same order, on every rank."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_async.assets import tiny_model_path
+    from trl_async.data import make_arithmetic_dataset
+
+    script = tmp_path / "sharded_eval.py"
+    script.write_text(SHARDED_EVAL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(RECIPE_DIR), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(script), RECIPE_DIR, str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    rows = make_arithmetic_dataset(num_train=10, num_test=41, seed=0)["test"]
+    single = accuracy.evaluate_accuracy(model, tokenizer, rows, max_new_tokens=48, batch_size=41)
+    assert ranks[0]["hits"] == ranks[1]["hits"] == single["hits"] and ranks[0]["total"] == 41
+    assert 0 < single["correct"] < 41
+
+
 def test_tensor_reward_agrees_with_the_text_reward_on_the_tiny_model():
     """Why the tiny job can use the tensor reward: on the tiny model's own sampled completions (its tokenizer, its
     EOS), MathAnswerReward on ids and the regex on decoded text give the same score on every row."""
