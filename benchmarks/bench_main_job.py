@@ -134,6 +134,7 @@ def plot(runs: list[dict], path: str) -> bool:
     axes[0].set(xlabel="pair", ylabel="training seconds", title="Training time of the main job")
     axes[1].set(xlabel="pair", ylabel="reward gain (last - first quarter)", title="Reward gain")
     for ax in axes:
+        ax.set_xticks(sorted({r["pair"] for r in runs}))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

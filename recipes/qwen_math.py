@@ -16,7 +16,6 @@ command line (`--learning_rate 1e-4`). Unknown YAML keys are an error that names
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -29,8 +28,6 @@ DEFAULT_CONFIG = os.path.join(RECIPE_DIR, "configs", "tiny.yaml")
 BUNDLED_MODEL = "bundled:tiny_qwen2"
 REWARDS = ("tensor", "text")
 TRAINERS = ("async", "trl")
-
-logger = logging.getLogger("qwen_math")
 
 
 @dataclass
