@@ -32,6 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
+from .hub import ModelCardMixin
 from .importance import fold_into_advantages, truncated_importance_weights
 from .losses import m2po_loss, m2po_metrics, m2po_select_global, reference_m2po_loss
 from .rewards import is_tensor_reward
@@ -83,7 +84,7 @@ class _EndlessRolloutTicks(torch.utils.data.IterableDataset):
             index += 1
 
 
-class AsyncGRPOTrainer(GRPOTrainer):
+class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that generates asynchronously and supports `loss_type="m2po"`.
 
     It takes exactly `GRPOTrainer`'s arguments. `args` may be a plain `trl.GRPOConfig` (the async defaults of
@@ -91,6 +92,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "trl-async"]
+    model_card_kind = "grpo"  # the card: trl_async.hub.ModelCardMixin
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *positional, **kwargs)
