@@ -9,7 +9,6 @@ must be followed by the gold answer). Accuracy comes with its Wilson 95% interva
 from __future__ import annotations
 
 import math
-import os
 
 ARITHMETIC = "arithmetic"
 
@@ -25,55 +24,28 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def is_local(name: str) -> bool:
-    """A path (the recipe's rule, as for models): starts with . / ~, ends in .json/.jsonl, has two or more slashes,
-    or exists. Anything else ('openai/gsm8k') is a Hub dataset id."""
-    return (
-        name.startswith((".", "/", "~"))
-        or name.lower().endswith((".json", ".jsonl"))
-        or name.count("/") > 1
-        or os.path.exists(name)
-    )
-
-
 def load_math_dataset(name: str, split: str, name_field: str, split_field: str):
-    """GSM8K-format rows (`prompt`, `answer`) from a local .json/.jsonl file or folder, or a split of a Hub dataset.
+    """GSM8K-format rows (`prompt`, `answer`) from a local .json/.jsonl file or folder, or a split of a Hub dataset
+    (`trl_async.data.load_gsm8k`), with errors that name the recipe field to fix (`name_field`, `split_field`)."""
+    from trl_async.data import load_gsm8k, looks_like_local_path
 
-    Hub ids are loaded here rather than by `trl_async.data.load_gsm8k`, which takes any name with a slash for a
-    local path; the rows are converted with that module's own `gsm8k_prompt` and `extract_gsm8k_answer`. Errors
-    name the recipe field to fix (`name_field`, `split_field`).
-    """
-    from trl_async.data import extract_gsm8k_answer, gsm8k_prompt, load_gsm8k
-
-    if is_local(name):
-        path = os.path.expanduser(name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{name_field}={name!r}: GSM8K data path {name!r} does not exist.")
-        try:
-            return load_gsm8k(path)
-        except ValueError as error:
-            raise ValueError(f"{name_field}={name!r} cannot be used: {error}") from error
-    from datasets import load_dataset
-
+    local = looks_like_local_path(name)
     try:
-        rows = load_dataset(name, "main", split=split)
+        return load_gsm8k(name, split=split)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{name_field}={name!r}: {error}") from error
     except ValueError as error:
-        if "split" in str(error).lower():
+        if not local and "split" in str(error).lower():
             raise ValueError(f"{split_field}={split!r} does not exist in {name!r}: {error}") from error
         raise ValueError(f"{name_field}={name!r} cannot be used: {error}") from error
     except Exception as error:  # offline, missing repo, network: all say the same thing to the user
+        if local:
+            raise
         raise OSError(
             f"Could not load {name_field}={name!r} (split {split!r}) from the Hugging Face Hub; the Hub must be "
             f"reachable (or the dataset cached), and this machine may be offline. Original error: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         ) from error
-    missing = {"question", "answer"} - set(rows.column_names)
-    if missing:
-        raise ValueError(f"{name_field}={name!r} lacks column(s) {sorted(missing)}; found {rows.column_names}.")
-    return rows.map(
-        lambda row: {"prompt": gsm8k_prompt(row["question"]), "answer": extract_gsm8k_answer(row["answer"])},
-        remove_columns=rows.column_names,
-    )
 
 
 def load_eval_dataset(recipe, seed: int):
@@ -84,13 +56,13 @@ def load_eval_dataset(recipe, seed: int):
 
     Errors name the field to fix.
     """
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.data import looks_like_local_path, make_arithmetic_dataset
 
     name = recipe.eval_dataset
     if name is None:
         if recipe.dataset == ARITHMETIC:
             name = ARITHMETIC
-        elif is_local(recipe.dataset):
+        elif looks_like_local_path(recipe.dataset):
             raise ValueError(
                 f"eval_dataset is unset and the training data is a local file ({recipe.dataset!r}), which has no "
                 "held-out split: pass --eval_dataset path/to/test.jsonl (GSM8K format), or --eval_accuracy false."

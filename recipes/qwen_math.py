@@ -184,9 +184,9 @@ def make_rewards(recipe, tokenizer) -> list:
 
 
 def dataset_hub_id(name: str | None) -> str | None:
-    from accuracy import is_local
+    from trl_async.data import looks_like_local_path
 
-    return name if name not in (None, "arithmetic") and not is_local(name) else None
+    return name if name not in (None, "arithmetic") and not looks_like_local_path(name) else None
 
 
 def parse_args(argv: list[str]):
