@@ -4,7 +4,7 @@
 #   python sharded_ranks.py <output_dir> <fsdp2|zero3> <full|lora>
 #
 # zero3: accelerate's DeepSpeed ZeRO-3 exactly as `accelerate launch --use_deepspeed --zero_stage 3` sets it up;
-#   DeepSpeed runs on CPU with gloo (its CPU accelerator), so nothing is changed.
+#   DeepSpeed runs on CPU with gloo (its CPU accelerator). The one CPU-specific setting is `ddp_backend="gloo"`.
 # fsdp2: on a machine without GPUs, accelerate resolves two CPU processes to DistributedType.MULTI_CPU and then never
 #   looks at the FSDP plugin (`AcceleratorState.__init__` switches to FSDP only from a GPU-class multi-device type),
 #   so it would silently train with DDP. With FORCE_FSDP2_ON_CPU=1 this script flips that one decision after accelerate
@@ -22,8 +22,7 @@ import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl.trainer.utils import add_fused_lm_head
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.assets import tiny_model_path
@@ -86,8 +85,9 @@ class TracingTrainer(AsyncGRPOTrainer):
     tokens under the trainer's whole weights of the batch's tagged version (and, as a control that the check can
     fail, under the weights of another version)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, plain_base=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.plain_base = plain_base
         self.whole_weights: dict[int, dict] = {}
         self.mu_gaps: list[float] = []
         self.control_gaps: list[float] = []
@@ -99,14 +99,12 @@ class TracingTrainer(AsyncGRPOTrainer):
         self.whole_weights[version] = whole_state_dict(self.accelerator.unwrap_model(self.model))
 
     def _plain_model(self):
-        """An unsharded copy of the policy's architecture, built as the generator builds its own."""
+        """An unsharded copy of the policy's architecture, built as the generator builds its own (the base is built
+        before the training arguments exist: once they enable ZeRO-3, transformers partitions every model it builds)."""
         if self._probe is None:
             model = self.accelerator.unwrap_model(self.model)
             is_peft = hasattr(model, "peft_config")
-            base = model.get_base_model() if is_peft else model
-            probe = AutoModelForCausalLM.from_config(base.config, dtype=torch.float32)
-            # TRL computes π_θ through its fused LM head (as on the trainer's own model, added before PEFT).
-            add_fused_lm_head(probe, temperature=self.temperature, outputs=("log_probs", "entropy"))
+            probe = self.plain_base
             if is_peft:
                 from peft import get_peft_model
 
@@ -118,12 +116,14 @@ class TracingTrainer(AsyncGRPOTrainer):
     def _mu_gap(self, inputs, version: int) -> float:
         probe = self._plain_model()
         probe.load_state_dict(self.whole_weights[version], strict=True)
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            probe,
-            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            inputs["completion_ids"].size(1),
-        )
+        completion_ids = inputs["completion_ids"]
+        logits = probe(
+            input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+        ).logits
+        # log π(y_t) = log_softmax(logits_{t-1} / T)[y_t], TRL's definition, written out (the probe is a plain model).
+        logits = logits[:, -completion_ids.size(1) - 1 : -1].float() / self.temperature
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
         mask = inputs["completion_mask"].bool()
         return (logps - inputs["sampling_per_token_logps"]).abs()[mask].max().item()
 
@@ -144,12 +144,24 @@ def main():
     force_fsdp2 = sharding == "fsdp2" and os.environ.get("FORCE_FSDP2_ON_CPU") == "1"
     trainer_cls = type("Trainer", (ForcedFSDP2OnCPU, TracingTrainer), {}) if force_fsdp2 else TracingTrainer
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    plain_base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_path()), dtype=torch.float32)
     on_cpu = not torch.cuda.is_available()
     extra = {}
     if sharding == "fsdp2":
-        extra = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]})
+        fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
+        extra = dict(fsdp=True, fsdp_config=fsdp_config)
+        if variant == "full":
+            # FSDP's own activation checkpointing wraps the decoder layers: parameter names then carry
+            # `_checkpoint_wrapped_module.`, which publishing must strip (transformers' gradient checkpointing is
+            # the alternative to it, not a companion).
+            fsdp_config["activation_checkpointing"] = True
+            extra["gradient_checkpointing"] = False
         if on_cpu:
             extra["use_cpu"] = True  # accelerate's multi-process CPU mode (gloo); see ForcedFSDP2OnCPU
+    elif sharding == "zero3" and on_cpu:
+        # Without a GPU accelerate picks no process-group backend for DeepSpeed and then counts one process;
+        # naming gloo (which DeepSpeed's CPU accelerator uses anyway) gives it the real world size.
+        extra = dict(ddp_backend="gloo")
     args = AsyncGRPOConfig(
         output_dir=output_dir,
         max_steps=3,
@@ -178,6 +190,7 @@ def main():
         train_dataset=make_arithmetic_dataset(num_train=64, num_test=8)["train"],
         processing_class=tokenizer,
         peft_config=peft_config,
+        plain_base=plain_base,
     )
     # Keep the stores readable after training: the test compares what they hold with the final whole weights.
     rollout_close = trainer._rollout.close
@@ -200,7 +213,9 @@ def main():
     shard_numel = sum(p.to_local().numel() if is_dtensor(p) else p.numel() for p in model.parameters())
     if sharding == "zero3":
         shard_numel = sum(p.ds_tensor.numel() for p in model.parameters())
-    trainable_names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    num_trainable = sum(p.requires_grad for p in model.parameters())
+    plain_names = sorted(n for n, _ in trainer._plain_model().named_parameters())
+    wrapped_names = [n for n, _ in model.named_parameters() if "_checkpoint_wrapped_module." in n]
     record = {
         "process_index": trainer.accelerator.process_index,
         "num_processes": trainer.accelerator.num_processes,
@@ -208,24 +223,28 @@ def main():
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "sharding": model_sharding(model),
         "shard_numel": shard_numel,
-        "whole_numel": sum(v.numel() for k, v in final.items()),
+        "whole_numel": sum(p.numel() for p in trainer._plain_model().parameters()),
         "mu_gaps": trainer.mu_gaps,
         "control_gaps": trainer.control_gaps,
         "tagged_versions": trainer.tagged_versions,
         "global_step": trainer.state.global_step,
         "store_vs_final": store_vs_final,
         "store_names": store_names,
-        "trainable_names": trainable_names,
+        "num_trainable": num_trainable,
+        "plain_names": plain_names,
+        "wrapped_names": wrapped_names,
         "store_checksum": {
             kind: sum(t.double().abs().sum().item() for t in store.read_copy()[0].values())
             for kind, store in stores.items()
             if store is not None
         },
         "initial_vs_final_max_diff": max(
-            (trainer.whole_weights[0][k] - final[k]).abs().max().item() for k in trainable_names
+            (trainer.whole_weights[0][k] - final[k]).abs().max().item() for k in store_names["trainable"]
         ),
         "trainer_generated_batches": [
-            h["async/trainer_generated_batches"] for h in trainer.state.log_history if "async/trainer_generated_batches" in h
+            h["async/trainer_generated_batches"]
+            for h in trainer.state.log_history
+            if "async/trainer_generated_batches" in h
         ],
     }
     rollout_close()
