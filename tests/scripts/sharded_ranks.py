@@ -1,7 +1,10 @@
 # AsyncGRPOTrainer under sharded training, one rank of `accelerate launch --num_processes 2`; tests/test_sharded.py
 # launches it and checks what each rank records into <output_dir>/rank<k>.json.
 #
-#   python sharded_ranks.py <output_dir> <fsdp2|zero3> <full|lora>
+#   python sharded_ranks.py <output_dir> <fsdp2|zero3> <full|lora> [launcher|args]
+#
+# The sharding settings come from the launcher (`accelerate launch --config_file recipes/accelerate_configs/...`,
+# the default) or, with `args`, from the training arguments (transformers' `fsdp_config`).
 #
 # zero3: accelerate's DeepSpeed ZeRO-3 exactly as `accelerate launch --use_deepspeed --zero_stage 3` sets it up;
 #   DeepSpeed runs on CPU with gloo (its CPU accelerator). The one CPU-specific setting is `ddp_backend="gloo"`.
@@ -72,7 +75,8 @@ class ForcedFSDP2OnCPU:
 
         state = self.accelerator.state
         assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
-        state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        # From the training arguments if they set FSDP, else from `accelerate launch`'s environment (FSDP_*).
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {}))
         # Where accelerate records its decision on a GPU machine (both shared states; later `AcceleratorState()`
         # calls copy the partial state's over the accelerator state's).
         state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -114,7 +118,7 @@ class TracingTrainer(AsyncGRPOTrainer):
 
     @torch.no_grad()
     def _mu_gap(self, inputs, version: int) -> float:
-        probe = self._plain_model()
+        probe = self._plain_model().to(inputs["prompt_ids"].device)
         probe.load_state_dict(self.whole_weights[version], strict=True)
         completion_ids = inputs["completion_ids"]
         logits = probe(
@@ -141,6 +145,7 @@ class TracingTrainer(AsyncGRPOTrainer):
 
 def main():
     output_dir, sharding, variant = sys.argv[1], sys.argv[2], sys.argv[3]
+    settings_from = sys.argv[4] if len(sys.argv) > 4 else "launcher"
     force_fsdp2 = sharding == "fsdp2" and os.environ.get("FORCE_FSDP2_ON_CPU") == "1"
     trainer_cls = type("Trainer", (ForcedFSDP2OnCPU, TracingTrainer), {}) if force_fsdp2 else TracingTrainer
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
@@ -148,13 +153,11 @@ def main():
     on_cpu = not torch.cuda.is_available()
     extra = {}
     if sharding == "fsdp2":
-        fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]}
-        extra = dict(fsdp=True, fsdp_config=fsdp_config)
-        if variant == "full":
-            # FSDP's own activation checkpointing wraps the decoder layers: parameter names then carry
-            # `_checkpoint_wrapped_module.`, which publishing must strip (transformers' gradient checkpointing is
-            # the alternative to it, not a companion).
-            fsdp_config["activation_checkpointing"] = True
+        if settings_from == "args":
+            extra = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]})
+        if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING") == "true":
+            # FSDP's own activation checkpointing wraps the decoder layers (parameter names then carry
+            # `_checkpoint_wrapped_module.`); transformers refuses its own gradient checkpointing beside it.
             extra["gradient_checkpointing"] = False
         if on_cpu:
             extra["use_cpu"] = True  # accelerate's multi-process CPU mode (gloo); see ForcedFSDP2OnCPU
