@@ -94,7 +94,8 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "While the generation process starts (spawn, imports, model build: seconds), the trainer produces "
             "the first generation batches itself, with the same code and the same per-batch seeds, so training never "
             "waits for a cold generator; it switches to the queue as soon as the generation process is ready. False: "
-            "the trainer waits for the generation process instead."
+            "the trainer waits for the generation process instead. Ignored (False) under FSDP2 / ZeRO-3, where "
+            "generating on the sharded model would gather it at every decoding step."
         },
     )
     generator_startup_timeout: float = field(
