@@ -42,7 +42,7 @@ from pathlib import Path
 __all__ = ["MODEL_STANDINS", "DATASET_STANDINS", "build_hub", "hub_env"]
 
 # Bump when the stand-ins change, so that a reused --hub-dir is rebuilt.
-STANDINS_VERSION = "4"
+STANDINS_VERSION = "5"
 
 # ------------------------------------------------------------------------------------------------ tokenizers
 
@@ -293,11 +293,16 @@ def _base_bpe() -> dict:
 
 
 def build_tokenizer_json(family: TokenizerFamily) -> dict:
-    """tokenizer.json with the family's size and special ids; regular ids hold the BPE's tokens, then fillers."""
+    """tokenizer.json with the family's size and special ids; regular ids hold the BPE's tokens, then fillers.
+
+    Special tokens sit in the model vocabulary at their ids *and* in `added_tokens` (as in real tokenizers):
+    `tokenizers` keeps an added token's id only when the model vocabulary already has the token, otherwise it
+    renumbers it past the end.
+    """
     spec = _base_bpe()
     learned = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
     regular_ids = (i for i in range(family.vocab_size) if i not in family.specials)
-    vocab: dict[str, int] = {}
+    vocab: dict[str, int] = {token: token_id for token_id, token in family.specials.items()}
     for token in learned:
         vocab[token] = next(regular_ids)
     filler = 0

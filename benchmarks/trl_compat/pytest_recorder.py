@@ -74,7 +74,8 @@ def pytest_runtest_logreport(report):
         elif report.skipped:
             entry["outcome"] = "skipped"
             longrepr = report.longrepr
-            entry["reason"] = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            entry["reason"] = reason.removeprefix("Skipped: ")
         elif report.failed:
             entry["outcome"] = "failed" if report.when == "call" else "error"
         else:

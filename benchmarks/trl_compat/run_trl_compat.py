@@ -320,9 +320,11 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 
 _ACTIVE: set[subprocess.Popen] = set()  # pytest processes running now, killed (by process group) if we are stopped
+_STOPPING = threading.Event()  # set when the harness is stopped: workers start no new pytest process
 
 
 def _stop_active(signum=None, frame=None) -> None:
+    _STOPPING.set()
     for process in list(_ACTIVE):
         _kill_group(process)
     if signum is not None:
@@ -336,7 +338,7 @@ def run_chunk(args, run: str, chunk: int, tree: Path, env: dict, nodeids: list[s
     finished: dict[str, dict] = {}
     remaining = list(nodeids)
     attempt = 0
-    while remaining:
+    while remaining and not _STOPPING.is_set():
         attempt += 1
         argsfile = logdir / f"{run}-{chunk}.args-{attempt}.txt"
         argsfile.write_text("\n".join(remaining) + "\n")
@@ -353,17 +355,12 @@ def run_chunk(args, run: str, chunk: int, tree: Path, env: dict, nodeids: list[s
         )
         _ACTIVE.add(process)
         seen_before = len(_read_jsonl(results_path))
-        last_progress, current, hung = time.time(), None, False
+        last_progress, hung = time.time(), False
         while process.poll() is None:
             time.sleep(2)
             records = _read_jsonl(results_path)
             if len(records) != seen_before:
                 seen_before, last_progress = len(records), time.time()
-                starts = [r for r in records if r["event"] == "start"]
-                current = starts[-1]["nodeid"] if starts else None
-                ends = {r["nodeid"] for r in records if r["event"] == "end"}
-                if current in ends:
-                    current = None
             # pytest-timeout fails a stuck test itself; this catches what it cannot (a hang outside the test call).
             if time.time() - last_progress > args.timeout + args.hang_grace:
                 hung = True
@@ -422,9 +419,15 @@ def run_all(args, trees: dict, envs: dict, todo: dict[str, list[str]], logdir: P
             counts = Counter(r["outcome"] for r in results[run].values())
             say(f"  [{run}] chunk {index + 1}/{len(chunks[run])} done ({done[0]}/{len(queue)}); {dict(counts)}")
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs))
+    try:
         for future in [pool.submit(work, task) for task in queue]:
             future.result()
+    except BaseException:
+        _STOPPING.set()  # stopped (signal, Ctrl-C) or a worker failed: start nothing more, wait for nothing
+        raise
+    finally:
+        pool.shutdown(wait=not _STOPPING.is_set(), cancel_futures=True)
     return results
 
 
