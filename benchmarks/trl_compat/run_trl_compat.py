@@ -97,6 +97,9 @@ CAUSE_LABELS: list[tuple[str, str]] = [
     (r"vision-language", "vision-language model refused"),
     (r"rollout_func", "rollout_func refused"),
     (r"GeneratorError|generation process", "generation process error"),
+    (r"assert 'test_column' in", "log_extra column missing from trainer._logs['extra']"),
+    (r"assert 'custom_accuracy' in", "log_metric value missing from log_history"),
+    (r"All reward functions returned None", "reward-function warning not logged in the trainer process (caplog)"),
 ]
 
 
@@ -623,6 +626,9 @@ def parse_args(argv=None):
     return args
 
 
+REUSABLE_STOCK_OUTCOMES = ("passed", "skipped", "xfailed", "xpassed")
+
+
 def reused_stock(path: str, sources: dict, versions: dict, manifest: dict) -> dict[str, dict]:
     """Stock records from a previous run, refused unless that run saw the same test file, libraries and stand-ins."""
     previous = json.loads(Path(path).read_text())
@@ -641,7 +647,9 @@ def reused_stock(path: str, sources: dict, versions: dict, manifest: dict) -> di
     records = {}
     for nodeid, entry in previous.get("tests", {}).items():
         stock = entry.get("stock") or {}
-        if stock.get("outcome"):
+        # Passes and skips are reused; failures are run again: they are few and quick, and one can be environmental
+        # (a package installed into the shared venv mid-run, a timeout on a loaded machine).
+        if stock.get("outcome") in REUSABLE_STOCK_OUTCOMES:
             records[nodeid] = {"event": "end", "nodeid": nodeid, **stock, "reused": True}
     return records
 
@@ -749,7 +757,9 @@ def _main(argv=None) -> int:
         "source": sources["origin"],
         "package": package,
         "versions": versions,
+        "optional_packages": _optional_packages(),
         "stock_reused_from": args.reuse_stock,
+        "stock_reused_tests": len(reused),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "shared": True},
         "standins": manifest,
         "work_dir": str(work),
@@ -760,6 +770,24 @@ def _main(argv=None) -> int:
     print_report(report)
     say(f"wrote {output}; logs in {logdir}")
     return 0
+
+
+# Packages whose presence changes code paths of the tests without being their subject (recorded, not compared).
+OPTIONAL_PACKAGES = (
+    "deepspeed", "einops", "liger-kernel", "vllm", "jmespath", "torchvision", "kernels", "bitsandbytes", "wandb",
+)  # fmt: skip
+
+
+def _optional_packages() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for name in OPTIONAL_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def _versions() -> dict:
