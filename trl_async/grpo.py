@@ -30,6 +30,7 @@ from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.grpo_trainer import logger as trl_logger
 
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
 from .hub import ModelCardMixin
@@ -361,8 +362,17 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         for name, values in payload["logged_metrics"].items():
             for value in values:
                 self._log_metric(name, value)
-        rewards = gather(payload["rewards_per_func"].to(self.accelerator.device))
+        local = payload["rewards_per_func"].to(self.accelerator.device)
         model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
+        if not model_columns and torch.isnan(local).all(dim=1).any():
+            # TRL's warning, on TRL's logger, for rows no reward function scored (TRL's own code, which warns, only
+            # runs here for reward models).
+            row = int(torch.isnan(local).all(dim=1).nonzero()[0])
+            trl_logger.warning(
+                f"All reward functions returned None for the following kwargs:\n{inputs[row]}\n"
+                "Please ensure that at least one reward function returns a valid reward."
+            )
+        rewards = gather(local)
         if model_columns:
             with self._only_reward_functions(model_columns):
                 scored = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -119,8 +119,14 @@ class _SampledTokenLogprobs(LogitsProcessor):
             return torch.zeros(completion_ids.shape, device=completion_ids.device)
         self._record_previous(completion_ids[:, -1])
         self._scores = self._log_normalizer = None
-        # `generate` may run a step past the end and undo it (deferred stop checks): keep the first L steps.
-        return torch.stack(self.steps[:num_tokens], dim=1)
+        # `generate` may run a step past the end and undo it (deferred stop checks): keep the first L steps. A
+        # `generate` that ran no processors (a replaced or mocked one) leaves steps unknown: NaN, which the importance
+        # correction treats as TRL treats vLLM's missing log-probs (no correction for those tokens).
+        steps = self.steps[:num_tokens]
+        missing = num_tokens - len(steps)
+        if missing:
+            steps += [torch.full((completion_ids.size(0),), float("nan"), device=completion_ids.device)] * missing
+        return torch.stack(steps, dim=1)
 
 
 def _generation_model(model: torch.nn.Module) -> torch.nn.Module:
