@@ -454,7 +454,9 @@ def test_producer_killed_at_a_random_moment_never_blocks_the_consumer(seed):
 
     ctx = process_context()
     q = _killable_queue(ctx, capacity=3)
-    producer = ctx.Process(target=_produce_items, args=(q, 50, PAYLOAD_SIZE // 4, 0), daemon=True)
+    # Far more items than the consumer can take in 0.4 s, so the producer is alive (running or gated) when killed:
+    # a fast machine drained a 50-item producer before the kill.
+    producer = ctx.Process(target=_produce_items, args=(q, 10**9, PAYLOAD_SIZE // 4, 0), daemon=True)
     producer.start()
     try:
         rng = random.Random(seed)
