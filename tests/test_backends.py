@@ -187,6 +187,16 @@ def test_behaviour_logprobs_equal_the_processed_distribution(case, prompt_ids, g
     assert mask.sum() > 50 and gap.max() < TOLERANCE, (case, gap.max().item())
     # The settings really shape the distribution: TRL's plain π (log_softmax of the raw logits) is a different one.
     plain = reference_logprobs(model, prompt_ids, out.completion_ids, mask, [])
+    # The importance log-probs are the trainer's parametrization of the same weights: logits / temperature, no warpers
+    # (`GenerationOutput.importance_logprobs`), so π_θ/μ is exactly 1 at staleness 0 whatever the sampling settings.
+    temperature = sampling.get("temperature", 1.0)
+    trainer_parametrization = reference_logprobs(
+        model, prompt_ids, out.completion_ids, mask, [TemperatureLogitsWarper(temperature)] if temperature != 1 else []
+    )
+    gap = (out.importance_logprobs() - trainer_parametrization).abs()[mask]
+    assert gap.max() < TOLERANCE, (case, gap.max().item())
+    _, importance_logps = out.to_lists()
+    assert importance_logps[0] == out.importance_logprobs()[0, : int(mask[0].sum())].tolist()
     if sampling:
         assert (out.logprobs - plain).abs()[mask].max() > 1e-2, case
     else:
@@ -485,3 +495,17 @@ def test_behaviour_logprobs_memory_at_64_rows_and_64_tokens():
 
 if __name__ == "__main__" and sys.argv[1] == "memory":
     _memory_server(int(sys.argv[2]), [(m, int(t)) for m, t in (item.split(":") for item in sys.argv[3].split(","))])
+
+
+def test_beam_search_rows_have_no_behaviour_logprobs(prompt_ids, grpo_trainer):
+    """`num_beams > 1` (TRL's `test_train_with_generation_kwargs`) samples no returned token from one distribution:
+    μ is NaN (no correction, as TRL treats missing vLLM log-probs), never a shape error."""
+    trainer = grpo_trainer()
+    config = generation_config_for_rollouts(trainer.generation_config)
+    config.num_beams, config.top_k = 2, 50
+    out = generate_with_behaviour_logprobs(
+        load_model(), prompt_ids, config, list(trainer.eos_token_ids), trainer.processing_class.pad_token_id, "cpu", 0
+    )
+    mask = out.completion_mask
+    assert out.completion_ids.size(0) == len(prompt_ids) and mask.sum() > 0
+    assert torch.isnan(out.logprobs[mask]).all() and torch.isnan(out.importance_logprobs()[mask]).all()

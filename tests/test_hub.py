@@ -121,6 +121,9 @@ def test_reward_and_metric_summaries_against_plain_loops():
     assert summary["steps"] == 8 and summary["first_quarter"] == pytest.approx((0.1 + 0.2) / 2)
     assert summary["last_quarter"] == pytest.approx((0.7 + 0.8) / 2) and summary["final"] == pytest.approx(0.8)
     assert reward_summary(history[:3])["gain"] is None
+    # Steps where every reward function returned None log `reward: None` (TRL): left out, never a crash at save time.
+    unscored = [{**entry, "reward": None} if "reward" in entry else entry for entry in history[:4]] + history
+    assert reward_summary(unscored) == summary
     metrics = metric_summaries(history)
     assert set(metrics) == {"async/staleness_mean", "async/evicted", "m2po/masked_fraction"}
     staleness = [step % 2 for step in range(1, 9)]

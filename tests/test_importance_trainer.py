@@ -179,3 +179,25 @@ def test_a_default_async_dapo_step_runs_as_many_forwards_as_trls_step(tmp_path, 
             assert ratios, "the importance correction did not run"
     assert counts["trl"] == 3
     assert counts["async"] == counts["trl"]
+
+
+def test_sampling_warpers_leave_the_weight_at_one_at_staleness_zero(tmp_path, dataset, tokenizer):
+    """TRL's `test_train_with_additional_generation_kwargs`, swapped: with top-k/top-p/min-p/repetition penalty,
+    π_θ over the processed μ was ~1e-33 per sequence even at staleness 0, and nothing trained. The weight compares the
+    trainer's parametrization of both policies, so a batch used by the weights that made it weighs exactly 1."""
+    model = load_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = make_args(
+        tmp_path, max_steps=4, max_staleness=1, top_k=10, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+        vllm_importance_sampling_mode="sequence_mask", learning_rate=1e-2,
+    )  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    fresh = [h for h in trainer.state.log_history if h.get("async/staleness_max") == 0]
+    assert fresh, "no batch was used at staleness 0"
+    for entry in fresh:
+        for stat in ("min", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(1.0, abs=1e-3), entry
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -177,7 +177,8 @@ Cite TRL as:
 # ---------------------------------------------------------------------------------------------------- run records
 def reward_summary(log_history: Sequence[Mapping]) -> dict:
     """Mean logged `reward` of the first and last quarter of logged training steps, and the last one logged."""
-    rewards = [entry["reward"] for entry in log_history if "reward" in entry]
+    # TRL logs `reward: None` for steps where every reward function returned None.
+    rewards = [entry["reward"] for entry in log_history if entry.get("reward") is not None]
     summary = {"steps": len(rewards), "first_quarter": None, "last_quarter": None, "gain": None}
     summary["final"] = rewards[-1] if rewards else None
     if len(rewards) >= 4:
