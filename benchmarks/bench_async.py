@@ -1,26 +1,26 @@
 """Throughput and learning of AsyncGRPOTrainer against TRL's GRPOTrainer, side by side in one invocation.
 
-    python benchmarks/bench_async.py                      # full run: 64- and 24-token completions, 3 repeats
-    python benchmarks/bench_async.py --quick              # smoke: fewer steps, one repeat
+    python benchmarks/bench_async.py                      # headline (free length) + forced 64 tokens, 3 repeats
+    python benchmarks/bench_async.py --quick              # smoke: 10 steps, one repeat, free length only
 
 Setup: the bundled tiny model, generated arithmetic, 4 prompts x 8 generations per optimizer step, 60 optimizer
-steps, the same text reward. Every run is a fresh Python process with default thread settings, as a user would run
-it (OMP_NUM_THREADS is removed from the environment of the runs). Contenders, interleaved within each repeat so
-machine noise hits all alike:
+steps, the same text reward. Every contender runs the SAME configuration, TRL's defaults (gradient checkpointing on,
+`use_cache` as TRL leaves it), and every run is a fresh Python process with default thread settings, as a user runs
+it (OMP_NUM_THREADS is removed from the environment). Contenders, interleaved within each repeat so machine noise hits
+all alike:
 
 * `trl`: TRL's GRPOTrainer (synchronous: generate, then train), the baseline every ratio is taken against;
-* `trl-defaults`: the same left at TRL's defaults (gradient checkpointing on), for reference only;
-* `async-S{1,2,4}`: AsyncGRPOTrainer, loss_type dapo (TRL's default) with truncated IS correction;
-* `async-S2-m2po`: AsyncGRPOTrainer with loss_type m2po.
+* `async-dapo`: AsyncGRPOTrainer with TRL's default loss (dapo) and its importance correction, default staleness;
+* `async-m2po`: AsyncGRPOTrainer with loss_type m2po, default staleness;
+* `async-dapo-S2`: dapo with max_staleness=2.
 
-"64-token completions" are forced with `min_new_tokens` (the tiny model would otherwise stop after ~20 tokens), so
-that case really is generation-heavy; the 24-token case is left free (mean lengths are reported).
-
-Reported: rows/s (steady state: steps 6..N, after the generator started), the trainer's and the generator's waiting
-fractions, the eviction rate, the reward of the last quarter of steps (mean ± standard error over repeats), and two
-ceilings computed from single-threaded timings of one generation batch (g) and one training step (t) measured in the
-same invocation: the overlap limit (g + t) / max(g, t), and the 2-core compute bound, sync step time / ((g + t) / 2).
-Writes benchmarks/results/bench_async.json and a PNG of reward against wall-clock time.
+Headline: completions left free (the tiny model stops after ~20 tokens; the cap is TRL's default), end to end: the
+seconds of `trainer.train()`, start-up of the generation process included. Ratios are paired per repeat (trl seconds
+/ contender seconds in the same repeat), reported as median [min, max]. Beside it, a regime chosen to make generation
+heavy: completions forced to 64 tokens with `min_new_tokens`. Steady-state rows/s (after step 5) are reported too,
+never instead of the end-to-end figure. The learning check: the mean reward of the last quarter of steps (mean ±
+standard error over repeats) must not fall below TRL's.
+Writes benchmarks/results/bench_async.json and a PNG of reward against wall-clock time per regime.
 """
 
 from __future__ import annotations
@@ -37,18 +37,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
-# Every contender runs the same configuration: gradient checkpointing off (a 1M-parameter model needs none; TRL turns
-# it on by default, which recomputes the forward pass in backward) and `use_cache=True`. `trl-defaults` is TRL left
-# exactly at its defaults, for reference only.
-TUNED = {"use_cache": True, "gradient_checkpointing": False}
+# Every contender runs TRL's default configuration; only the trainer class, the loss type and the staleness differ.
 CONTENDERS = {
-    "trl-defaults": {"trainer": "trl", "loss_type": "dapo", "use_cache": False, "gradient_checkpointing": True},
-    "trl": {"trainer": "trl", "loss_type": "dapo", **TUNED},
-    "async-S1": {"trainer": "async", "loss_type": "dapo", "max_staleness": 1, **TUNED},
-    "async-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2, **TUNED},
-    "async-S4": {"trainer": "async", "loss_type": "dapo", "max_staleness": 4, **TUNED},
-    "async-S2-m2po": {"trainer": "async", "loss_type": "m2po", "max_staleness": 2, **TUNED},
+    "trl": {"trainer": "trl", "loss_type": "dapo"},
+    "async-dapo": {"trainer": "async", "loss_type": "dapo"},
+    "async-m2po": {"trainer": "async", "loss_type": "m2po"},
+    "async-dapo-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2},
 }
+REGIMES = {"free": {"force_length": False}, "forced64": {"force_length": True, "completion_length": 64}}
 
 
 # ------------------------------------------------------------------------------------------------ one run (worker)
@@ -68,27 +64,27 @@ def run_worker(config: dict) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             self.step_end.append(time.perf_counter())
 
-    length = config["completion_length"]
+    length = config.get("completion_length")
+    optional = {"max_completion_length": length} if length else {}  # free: TRL's default cap
+    if "max_staleness" in config:
+        optional["max_staleness"] = config["max_staleness"]
     args = AsyncGRPOConfig(
         output_dir=config["output_dir"],
         max_steps=config["steps"],
         per_device_train_batch_size=32,
         num_generations=8,
-        max_completion_length=length,
         generation_kwargs={"min_new_tokens": length} if config["force_length"] else None,
         learning_rate=config["learning_rate"],
         lr_scheduler_type="constant",
         temperature=1.0,
         beta=0.0,
         loss_type=config["loss_type"],
-        max_staleness=config.get("max_staleness", 1),
         logging_steps=1,
         report_to="none",
         save_strategy="no",
         bf16=False,
         seed=config["seed"],
-        use_cache=config.get("use_cache", False),
-        gradient_checkpointing=config.get("gradient_checkpointing", True),
+        **optional,
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     trainer_cls = AsyncGRPOTrainer if config["trainer"] == "async" else GRPOTrainer
@@ -103,16 +99,18 @@ def run_worker(config: dict) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
+    train_s = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
         "config": config,
         "start": start,
+        "train_s": train_s,
         "step_end": [t - start for t in clock.step_end],
         "reward": [h["reward"] for h in logs],
         "mean_length": statistics.mean(h["completions/mean_length"] for h in logs),
         "trainer_wait_s": [h.get("async/trainer_wait_s", 0.0) for h in logs],
         "generator_wait_s": [h.get("async/generator_wait_s", 0.0) for h in logs],
-        "evicted_rows": logs[-1].get("async/evicted", 0.0),
+        "evicted_rows": sum(h.get("async/evicted", 0.0) for h in logs),
         "staleness_mean": statistics.mean(h.get("async/staleness_mean", 0.0) for h in logs),
         "rows_per_step": 32,
     }
@@ -133,7 +131,7 @@ def run_probe(config: dict) -> dict:
     inputs = tokenizer.apply_chat_template(
         prompts, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
     )
-    length = config["completion_length"]
+    length = config.get("completion_length") or 24  # free regime: about what the tiny model writes
     generation_config = GenerationConfig(
         max_new_tokens=length,
         min_new_tokens=length if config["force_length"] else 0,
@@ -181,8 +179,9 @@ def summarize(run: dict, warmup_steps: int) -> dict:
     generator_wait = sum(run["generator_wait_s"][warmup_steps:])
     quarter = max(1, len(run["reward"]) // 4)
     return {
-        "rows_per_s": steady_steps * run["rows_per_step"] / steady_s,
-        "rows_per_s_end_to_end": len(ends) * run["rows_per_step"] / ends[-1],
+        "train_s": run["train_s"],
+        "rows_per_s_end_to_end": len(ends) * run["rows_per_step"] / run["train_s"],
+        "rows_per_s_steady": steady_steps * run["rows_per_step"] / steady_s,
         "trainer_wait_fraction": trainer_wait / steady_wall,
         "generator_wait_fraction": generator_wait / steady_wall,
         "eviction_rate": run["evicted_rows"] / (len(ends) * run["rows_per_step"]),
@@ -198,6 +197,10 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
 
 
+def paired(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "per_repeat": values}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -205,10 +208,10 @@ def main():
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--lengths", default="64,24", help="completion lengths, comma-separated")
+    parser.add_argument("--regimes", default=",".join(REGIMES), help="free (headline), forced64")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, 64 tokens only")
+    parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, free length only")
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a results file")
     args = parser.parse_args()
@@ -220,16 +223,15 @@ def main():
             json.dump(result, f)
         return
     if args.quick:
-        args.repeats, args.steps, args.lengths = 1, 10, "64"
-    lengths = [int(x) for x in args.lengths.split(",")]
+        args.repeats, args.steps, args.regimes = 1, 10, "free"
     names = args.contenders.split(",")
+    if names[0] != "trl":
+        raise SystemExit("the first contender must be trl (the baseline of every ratio)")
     warmup = min(5, args.steps // 2)
     os.makedirs(RESULTS, exist_ok=True)
-    report = {"steps": args.steps, "repeats": args.repeats, "learning_rate": args.learning_rate, "lengths": {}}
-    for length in lengths:
-        force = length == 64
-        base = {"completion_length": length, "force_length": force, "steps": args.steps,
-                "learning_rate": args.learning_rate}  # fmt: skip
+    report = {"steps": args.steps, "repeats": args.repeats, "learning_rate": args.learning_rate, "regimes": {}}
+    for regime in args.regimes.split(","):
+        base = {**REGIMES[regime], "steps": args.steps, "learning_rate": args.learning_rate}
         probe = spawn("probe", base)
         runs = {name: [] for name in names}
         for repeat in range(args.repeats):
@@ -240,7 +242,7 @@ def main():
                 run["summary"] = summarize(run, warmup)
                 runs[name].append(run)
                 s = run["summary"]
-                print(f"L={length} repeat {repeat} {name:14s} {s['rows_per_s']:7.1f} rows/s  trainer wait "
+                print(f"{regime} repeat {repeat} {name:14s} train {s['train_s']:6.1f}s  trainer wait "
                       f"{s['trainer_wait_fraction']:.0%}  reward(last q) {s['last_quarter_reward']:.3f}  "
                       f"({time.time() - t:.0f}s)", flush=True)  # fmt: skip
         table = {}
@@ -250,31 +252,34 @@ def main():
             table[name]["reward_mean"], table[name]["reward_se"] = mean_se(
                 [s["last_quarter_reward"] for s in summaries]
             )
-        sync = table["trl"]["rows_per_s"] if "trl" in table else None
-        sync_step_s = 32 / sync if sync else None
+            sync = [r["summary"] for r in runs["trl"]]
+            table[name]["speedup_end_to_end"] = paired(
+                [b["train_s"] / s["train_s"] for b, s in zip(sync, summaries, strict=True)]
+            )
+            table[name]["speedup_steady"] = paired(
+                [s["rows_per_s_steady"] / b["rows_per_s_steady"] for b, s in zip(sync, summaries, strict=True)]
+            )
         g, t = probe["generate_s"], probe["train_s"]
-        limits = {"overlap_limit": (g + t) / max(g, t),
-                  "compute_bound_vs_sync": sync_step_s / ((g + t) / 2) if sync_step_s else None}  # fmt: skip
-        report["lengths"][str(length)] = {"probe": probe, "limits": limits, "table": table, "forced_length": force,
-                                          "runs": {n: [{k: v for k, v in r.items()} for r in rs] for n, rs in runs.items()}}  # fmt: skip
-        print(f"\n=== completions {length} tokens{' (forced)' if force else ''}: medians over {args.repeats} runs ===")
+        report["regimes"][regime] = {"probe": probe, "overlap_limit": (g + t) / max(g, t), "table": table,
+                                     "runs": {n: list(rs) for n, rs in runs.items()}}  # fmt: skip
+        print(f"\n=== {regime}: {args.repeats} repeats, paired ratios median [min, max] ===")
         print(f"single-threaded: generation {g:.3f}s/batch, training {t:.3f}s/step -> overlap limit "
-              f"{limits['overlap_limit']:.2f}x, 2-core compute bound {limits['compute_bound_vs_sync'] or float('nan'):.2f}x vs sync")  # fmt: skip
-        print(f"{'contender':16s} {'rows/s':>8s} {'vs trl':>7s} {'trainer wait':>12s} {'gen wait':>9s} {'evicted':>8s} "
-              f"{'staleness':>9s} {'len':>5s} {'reward last q (mean±se)':>24s}")  # fmt: skip
+              f"{(g + t) / max(g, t):.2f}x")  # fmt: skip
+        print(f"{'contender':15s} {'train s':>8s} {'end-to-end vs trl':>22s} {'steady vs trl':>20s} {'evicted':>8s} "
+              f"{'len':>5s} {'reward last q':>18s}")  # fmt: skip
         for name, row in table.items():
-            ratio = row["rows_per_s"] / sync if sync else float("nan")
-            print(f"{name:16s} {row['rows_per_s']:8.1f} {ratio:6.2f}x {row['trainer_wait_fraction']:12.1%} "
-                  f"{row['generator_wait_fraction']:9.1%} {row['eviction_rate']:8.2%} {row['staleness_mean']:9.2f} "
-                  f"{row['mean_completion_length']:5.1f} {row['reward_mean']:14.3f} ± {row['reward_se']:.3f}")  # fmt: skip
-        plot(runs, length, args.tag)
+            e, st = row["speedup_end_to_end"], row["speedup_steady"]
+            print(f"{name:15s} {row['train_s']:8.1f} {e['median']:7.2f}x [{e['min']:.2f}, {e['max']:.2f}] "
+                  f"{st['median']:6.2f}x [{st['min']:.2f}, {st['max']:.2f}] {row['eviction_rate']:8.2%} "
+                  f"{row['mean_completion_length']:5.1f} {row['reward_mean']:8.3f} ± {row['reward_se']:.3f}")  # fmt: skip
+        plot(runs, regime, args.tag)
     path = os.path.join(RESULTS, f"bench_async{args.tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {path}")
 
 
-def plot(runs: dict, length: int, tag: str, window: int = 10) -> None:
+def plot(runs: dict, regime: str, tag: str, window: int = 10) -> None:
     """Reward against wall-clock time: per contender, a rolling mean over `window` steps, averaged over repeats."""
     import matplotlib
 
@@ -290,17 +295,17 @@ def plot(runs: dict, length: int, tag: str, window: int = 10) -> None:
         ax.plot(times, smooth, color=f"C{index}", label=name)
     ax.set_xlabel("wall-clock seconds (mean over repeats)")
     ax.set_ylabel(f"reward, rolling mean of {window} steps")
-    ax.set_title(f"Tiny model, 2 CPU cores, {length}-token completions")
+    ax.set_title(f"Tiny model, {os.cpu_count()} CPU cores, completions: {regime}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f"bench_async_reward_vs_time_{length}{tag}.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, f"bench_async_reward_vs_time_{regime}{tag}.png"), dpi=110)
     plt.close(fig)
 
 
 def replot(path: str) -> None:
     report = json.load(open(path))
-    for length, entry in report["lengths"].items():
-        plot(entry["runs"], int(length), "")
+    for regime, entry in report["regimes"].items():
+        plot(entry["runs"], regime, "")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """Forward+backward time of the policy losses, given log-prob tensors that require grad.
 
-Contenders:
-  dapo      TRL 1.16 ``_compute_loss`` with loss_type="dapo" (token-level PPO clip, sum / number of valid tokens)
-  grpo      TRL 1.16 ``_compute_loss`` with loss_type="grpo" (mean over sequences of the per-sequence mean)
-  m2po      trl_async.losses.m2po_loss (the paper's rule, arXiv:2510.01161)
-  m2po_ref  trl_async.losses.reference_m2po_loss (the reference page's per-token rule)
+Contenders (all side by side in one run):
+  dapo               TRL 1.16 ``_compute_loss`` with loss_type="dapo" (token-level PPO clip, sum / valid tokens)
+  grpo               TRL 1.16 ``_compute_loss`` with loss_type="grpo" (mean over sequences of the per-sequence mean)
+  m2po               trl_async.losses.m2po_loss, rule="paper" (Algorithm 1 of arXiv:2510.01161; the default)
+  m2po_all_tokens    m2po_loss, rule="all_tokens" (AReaL's candidate set; wave 1's rule)
+  m2po_authors_code  m2po_loss, rule="authors_code" (the authors' training code: capped-mean cut as a PPO clip)
+  m2po_ref           trl_async.losses.reference_m2po_loss (the reference page's per-token rule)
 
-Staleness regimes for the log ratios delta = logp - logmu (tau = 0.04):
-  a  near on-policy: batch mean delta^2 already <= tau, nothing masked
-  b  stale: ~1% of the valid tokens masked by M2PO
+Staleness regimes for the log ratios delta = logp - logmu (tau = 0.04), calibrated on the "paper" rule:
+  a  near on-policy: nothing masked
+  b  stale: ~1% of the valid tokens masked
   c  very stale: ~20% masked
 
-Contenders are interleaved inside every repeat (rotating the order) so machine noise hits all of them alike;
-the table gives medians over repeats and ratios to dapo.
+Timing: the contenders are interleaved inside every repeat, in a fresh random order each repeat, so machine noise
+and whatever a predecessor leaves behind hit all of them alike.  The headline is the *paired* ratio to dapo: for every repeat, contender time / dapo time of the
+same repeat; the table and the JSON give the median, min and max of those ratios (ratios of medians are in the JSON
+too, for reference only).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_losses.py            # full run, JSON -> benchmarks/results/
+    OMP_NUM_THREADS=1 python benchmarks/bench_losses.py            # full run (~1-2 min), JSON -> benchmarks/results/
     python benchmarks/bench_losses.py --quick                       # a few repeats, smoke test
 """
 
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -38,6 +43,7 @@ from trl_async.losses import m2po_loss, m2po_mask, reference_m2po_loss  # noqa: 
 TAU = 0.04
 EPS_LOW = EPS_HIGH = 0.2
 REGIMES = {"a": ("near on-policy", 0.0), "b": ("stale", 0.01), "c": ("very stale", 0.20)}
+BAR = 1.3  # "paper" m2po <= 1.3x dapo at 64x256 in regimes a and b (paired median)
 
 
 # ---- TRL 1.16 per-token PPO-clip loss (grpo_trainer.py `_compute_loss`, importance_sampling_level="token",
@@ -65,29 +71,40 @@ def trl_grpo(logp, old, adv, mask):
     return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def ours_m2po(logp, old, adv, mask):
-    return m2po_loss(logp, old, adv, mask, threshold=TAU)[0]
+def _m2po(rule):
+    def loss(logp, old, adv, mask):
+        return m2po_loss(logp, old, adv, mask, threshold=TAU, rule=rule)[0]
+
+    return loss
 
 
 def ours_m2po_ref(logp, old, adv, mask):
     return reference_m2po_loss(logp, old, adv, mask, gamma=2.0, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)[0]
 
 
-CONTENDERS = {"dapo": trl_dapo, "grpo": trl_grpo, "m2po": ours_m2po, "m2po_ref": ours_m2po_ref}
+CONTENDERS = {
+    "dapo": trl_dapo,
+    "grpo": trl_grpo,
+    "m2po": _m2po("paper"),
+    "m2po_all_tokens": _m2po("all_tokens"),
+    "m2po_authors_code": _m2po("authors_code"),
+    "m2po_ref": ours_m2po_ref,
+}
+RULE_OF = {"m2po": "paper", "m2po_all_tokens": "all_tokens", "m2po_authors_code": "authors_code"}
 
 
 # ---- inputs --------------------------------------------------------------------------------------------
-def _masked_fraction(delta, mask):
-    keep = m2po_mask(delta, mask, TAU)
+def _masked_fraction(delta, mask, adv, rule="paper"):
+    keep = m2po_mask(delta, mask, TAU, adv, rule)
     n = int(mask.sum())
     return 1.0 - int(keep.sum()) / max(n, 1)
 
 
 def make_inputs(B: int, L: int, regime: str, seed: int, device: str):
-    """Random completion lengths (padding) and log ratios for one staleness regime.
+    """Random completion lengths (padding), GRPO-like advantages (one per row) and log ratios for one regime.
 
     (a) Gaussian delta with mean delta^2 = tau / 4.  (b), (c): heavy-tailed delta = s * t_3 (Student t, 3 dof);
-    the scale s is bisected so that M2PO masks the target fraction of valid tokens.
+    the scale s is bisected so that the "paper" rule masks the target fraction of the valid tokens.
     """
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, L + 1, (B,), generator=g)
@@ -103,7 +120,7 @@ def make_inputs(B: int, L: int, regime: str, seed: int, device: str):
         lo, hi = 0.01, 5.0
         for _ in range(40):
             mid = (lo * hi) ** 0.5
-            if _masked_fraction(z * mid, mask) < target:
+            if _masked_fraction(z * mid, mask, adv) < target:
                 lo = mid
             else:
                 hi = mid
@@ -118,12 +135,20 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
+def _summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def time_case(B, L, regime, repeats, warmup, seed, device, names):
     logp, old, adv, mask = make_inputs(B, L, regime, seed, device)
     times = {k: [] for k in names}
+    order_rng = random.Random(seed)
     for it in range(warmup + repeats):
-        shift = it % len(names)
-        for name in names[shift:] + names[:shift]:  # rotate the order every repeat
+        # A fresh random order every repeat: with a fixed (even rotating) cycle each contender always runs right
+        # after the same one, and what the predecessor leaves behind (allocator, caches) biases the pair.
+        order = list(names)
+        order_rng.shuffle(order)
+        for name in order:
             fn = CONTENDERS[name]
             logp.grad = None
             _sync(device)
@@ -134,31 +159,28 @@ def time_case(B, L, regime, repeats, warmup, seed, device, names):
             dt = time.perf_counter() - t0
             if it >= warmup:
                 times[name].append(dt)
-    _, st = m2po_loss(logp.detach(), old, adv, mask, threshold=TAU)
-    _, st_ref = reference_m2po_loss(logp.detach(), old, adv, mask)
+    paired = {k: _summary([a / b for a, b in zip(times[k], times["dapo"], strict=True)]) for k in names}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    paired = {k: statistics.median([a / b for a, b in zip(times[k], times["dapo"], strict=True)]) for k in names}
-    n_valid = int(mask.sum())
+    masked = {k: _masked_fraction(logp.detach() - old, mask, adv, rule) for k, rule in RULE_OF.items() if k in names}
+    if "m2po_ref" in names:
+        masked["m2po_ref"] = float(reference_m2po_loss(logp.detach(), old, adv, mask)[1]["masked_fraction"])
     return {
         "B": B,
         "L": L,
         "regime": regime,
         "regime_name": REGIMES[regime][0],
-        "valid_tokens": n_valid,
+        "valid_tokens": int(mask.sum()),
         "repeats": repeats,
+        "paired_ratio_to_dapo": paired,
         "median_ms": med,
-        "ratio_to_dapo": {k: med[k] / med["dapo"] for k in names},
-        "median_paired_ratio_to_dapo": paired,
-        "m2po_masked_fraction": float(st["masked_fraction"]),
-        "m2po_m2_before": float(st["m2_before"]),
-        "m2po_m2_after": float(st["m2_after"]),
-        "m2po_ref_masked_fraction": float(st_ref["masked_fraction"]),
+        "ratio_of_medians_to_dapo": {k: med[k] / med["dapo"] for k in names},
+        "masked_fraction": masked,
     }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats for the small shape (default 300)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats for the small shape (default 1000)")
     ap.add_argument("--repeats-large", type=int, default=None, help="timed repeats for the large shape (default 30)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
@@ -175,16 +197,18 @@ def main(argv=None):
         args.out = str(Path(__file__).resolve().parent / "results" / name)
 
     torch.set_num_threads(args.threads)
-    rep_small = args.repeats or (20 if args.quick else 300)
+    rep_small = args.repeats or (20 if args.quick else 1000)
     rep_large = args.repeats_large or (3 if args.quick else 30)
     warmup = 2 if args.quick else args.warmup
 
     names = [k for k in CONTENDERS if k in args.contenders.split(",")]
     if "dapo" not in names:
         ap.error("--contenders must include dapo (ratios are relative to it)")
+    started = time.perf_counter()
     results = []
-    header = f"{'shape':>10} {'regime':>16} {'masked':>7} " + " ".join(f"{k + ' ms (x)':>18}" for k in names)
     print(f"torch {torch.__version__}, device={args.device}, threads={torch.get_num_threads()}, tau={TAU}")
+    print("paired ratio to dapo per repeat: median [min, max]; dapo column: median ms")
+    header = f"{'shape':>9} {'regime':>16} {'masked':>7} {'dapo ms':>8} " + " ".join(f"{k:>24}" for k in names[1:])
     print(header)
     print("-" * len(header))
     for shape in args.shapes.split(","):
@@ -193,16 +217,26 @@ def main(argv=None):
         for regime in args.regimes:
             r = time_case(B, L, regime, reps, warmup, args.seed, args.device, names)
             results.append(r)
-            cells = " ".join(f"{r['median_ms'][k]:>9.3f} ({r['ratio_to_dapo'][k]:>4.2f}x)" for k in names)
+            cells = " ".join(
+                "{:>24}".format(
+                    f"{r['paired_ratio_to_dapo'][k]['median']:.2f} "
+                    f"[{r['paired_ratio_to_dapo'][k]['min']:.2f}, {r['paired_ratio_to_dapo'][k]['max']:.2f}]"
+                )
+                for k in names[1:]
+            )
+            masked = r["masked_fraction"].get("m2po", float("nan"))
             print(
-                f"{shape:>10} {regime + ' ' + r['regime_name']:>16} {r['m2po_masked_fraction']:>7.2%} {cells}",
+                f"{shape:>9} {regime + ' ' + r['regime_name']:>16} {masked:>7.2%} {r['median_ms']['dapo']:>8.3f} {cells}",
                 flush=True,
             )
 
     bar = [r for r in results if (r["B"], r["L"]) == (64, 256) and r["regime"] in "ab"]
-    bar_ok = all(r["ratio_to_dapo"]["m2po"] <= 1.3 for r in bar) if bar and "m2po" in names else None
+    bar_ok = all(r["paired_ratio_to_dapo"]["m2po"]["median"] <= BAR for r in bar) if bar and "m2po" in names else None
     if bar_ok is not None:
-        print(f"bar (m2po <= 1.3x dapo at 64x256, regimes a and b): {'PASS' if bar_ok else 'FAIL'}")
+        print(
+            f"bar (m2po 'paper' <= {BAR}x dapo at 64x256, regimes a and b, paired median): {'PASS' if bar_ok else 'FAIL'}"
+        )
+    print(f"total {time.perf_counter() - started:.0f} s")
     out = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -213,7 +247,9 @@ def main(argv=None):
         "tau": TAU,
         "epsilon": [EPS_LOW, EPS_HIGH],
         "quick": args.quick,
-        "bar_m2po_le_1.3x_dapo_64x256_ab": bar_ok,
+        "command": " ".join(["python", "benchmarks/bench_losses.py", *(argv if argv is not None else sys.argv[1:])]),
+        "headline": "paired_ratio_to_dapo (per-repeat contender/dapo time: median, min, max)",
+        "bar_m2po_paper_le_1.3x_dapo_64x256_ab": bar_ok,
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

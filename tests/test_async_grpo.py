@@ -271,7 +271,6 @@ def test_eval_uses_synchronous_generation(tmp_path, dataset, tokenizer):
         ({"weight_sync_steps": 0}, "weight_sync_steps"),
         ({"max_staleness": 1, "weight_sync_steps": 3}, "weight_sync_steps"),
         ({"generation_backend": "sglang"}, "generation_backend"),
-        ({"generation_backend": "vllm"}, "generation_backend"),
         ({"queue_capacity": 0}, "queue_capacity"),
         ({"generation_num_threads": 0}, "generation_num_threads"),
         ({"generator_heartbeat_timeout": 0}, "generator_heartbeat_timeout"),

@@ -35,6 +35,13 @@ def dataset():
     return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
+def slow_length_reward(completions, **kwargs):
+    import time
+
+    time.sleep(0.6)  # runs in the generation process: makes generating a batch slower than a training step
+    return length_reward(completions)
+
+
 def logged_steps(trainer):
     return [h for h in trainer.state.log_history if "reward" in h]
 
@@ -51,13 +58,18 @@ def logged_steps(trainer):
         dict(num_iterations=2, max_staleness=2, per_device_train_batch_size=8),
         # weights published every second step only
         dict(weight_sync_steps=2, max_staleness=2),
+        # a generator slower than a training step: the trainer publishes new weights while a batch is being
+        # generated, so the version that generated it and the newest version differ when it is queued
+        dict(max_staleness=2, slow_reward=True),
     ],
-    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps"],
+    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps", "slow_generator"],
 )
 def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, tokenizer, schedule):
+    schedule = dict(schedule)
+    reward = slow_length_reward if schedule.pop("slow_reward", False) else length_reward
     args = make_args(tmp_path, max_steps=8, loss_type="dapo", trainer_generates_while_starting=False, **schedule)
     trainer = WeightTracingTrainer(
-        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+        model=load_model(), reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
     trainer.train()
     assert trainer.true_staleness, "no batch reached a loss"
@@ -76,22 +88,28 @@ class _EpochEnd(TrainerCallback):
         self.epochs += 1
 
 
-def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path, tokenizer):
+@pytest.mark.parametrize(
+    ("num_prompts", "schedule"),
+    [
+        # 5 generation batches of one micro-step per epoch, 2 micro-steps per optimizer step: the epoch's last
+        # micro-step gets an optimizer step of its own, which the gate's schedule did not predict.
+        (10, dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=1)),
+        # One generation batch per epoch used over 3 micro-steps, 2 micro-steps per optimizer step: each batch is
+        # trained on across two optimizer steps, and each epoch ends with an extra step. Rows must be checked at
+        # their LAST use.
+        (6, dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=3)),
+    ],
+    ids=["accumulation_remainder", "multi_step_batches"],
+)
+def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path, tokenizer, num_prompts, schedule):
     """An epoch whose micro-steps do not fill the last accumulation window makes the Trainer step early at the
-    epoch's end: the generator's schedule was one version off, its queued batches become too stale and are evicted.
-    The run must skip them, go on, log them, and never train on a stale row."""
-    small = make_arithmetic_dataset(num_train=10, num_test=2, seed=3)["train"]  # 5 generation batches per epoch
+    epoch's end: the generator's schedule was off, its queued batches become too stale and are evicted. The run must
+    skip them, go on, log them, and never train on a stale row."""
+    small = make_arithmetic_dataset(num_train=num_prompts, num_test=2, seed=3)["train"]
     args = make_args(
-        tmp_path,
-        max_steps=9,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        steps_per_generation=1,
-        max_staleness=1,
-        loss_type="dapo",
-        trainer_generates_while_starting=False,
-    )
+        tmp_path, max_steps=9, num_generations=4, max_staleness=1, loss_type="dapo",
+        trainer_generates_while_starting=False, **schedule,
+    )  # fmt: skip
     trainer = WeightTracingTrainer(
         model=load_model(), reward_funcs=length_reward, args=args, train_dataset=small, processing_class=tokenizer
     )
@@ -101,7 +119,7 @@ def test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes(tmp_path
     assert trainer.state.global_step == 9 and epochs.epochs >= 2
     evicted = sum(h.get("async/evicted", 0) for h in trainer.state.log_history)
     assert evicted > 0, "no batch was evicted: the test did not exercise eviction"
-    assert max(trainer.true_staleness) <= 1
+    assert max(trainer.true_staleness) <= 1, trainer.true_staleness
     fractions = [h["async/evicted_fraction"] for h in trainer.state.log_history if "async/evicted_fraction" in h]
     assert all(0 <= f < 1 for f in fractions)
 
@@ -208,7 +226,6 @@ def test_reward_callables_get_trainer_state_log_extra_and_log_metric(tmp_path, d
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
     [
-        (dict(args_overrides=dict(use_vllm=True)), "use_vllm"),
         (dict(tools=[len]), "tools"),
         (dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
         (dict(environment_factory=lambda: None), "environment_factory"),
@@ -228,6 +245,19 @@ def test_unsupported_settings_are_refused_before_anything_starts(tmp_path, datas
         )  # fmt: skip
     assert "async_generation=False" in str(info.value)
     assert set(p.pid for p in multiprocessing.active_children()) == before
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_installed_fails_up_front_with_the_install_command(tmp_path, dataset, tokenizer):
+    import multiprocessing
+
+    args = make_args(tmp_path, use_vllm=True)
+    with pytest.raises(ImportError, match="trl-async\\[vllm\\]"):
+        AsyncGRPOTrainer(
+            model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+            processing_class=tokenizer,
+        )  # fmt: skip
+    assert args.generation_backend == "vllm" and not multiprocessing.active_children()
 
 
 def test_plain_grpo_config_gets_the_staleness_its_schedule_needs(tmp_path, dataset, tokenizer):
@@ -290,3 +320,39 @@ def test_dataset_of_pairs_with_custom_columns_reaches_rewards(tmp_path, tokenize
     )  # fmt: skip
     trainer.train()
     assert all(h["reward"] == 1.0 for h in logged_steps(trainer))
+
+
+def test_ranks_sharing_a_group_never_sample_identical_completions(tokenizer):
+    """One prompt per generation batch, its 8 generations split over 2 ranks (4 each): with per-rank seeds the two
+    ranks' samples of the same prompt differ (TRL seeds ranks differently for the same reason)."""
+    from trl_async.rollout import GeneratorSpec, ModelSpec, RolloutProducer, generate_with_behaviour_logprobs
+    from trl_async.rollout.backends import generation_config_for_rollouts
+
+    model = load_model().eval()
+    data = make_arithmetic_dataset(num_train=16, num_test=2, seed=4)["train"]
+    from transformers import GenerationConfig
+
+    config = generation_config_for_rollouts(
+        GenerationConfig(max_new_tokens=12, do_sample=True, top_k=0, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=[tokenizer.eos_token_id])
+    )  # fmt: skip
+    batches = {}
+    for rank in (0, 1):
+        spec = GeneratorSpec(
+            process_index=rank, num_processes=2, device="cpu", num_threads=1, backend="hf",
+            model_spec=ModelSpec(config=model.config, dtype=torch.float32), generation_config=config,
+            temperature=1.0, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+            processing_class=tokenizer, chat_template=None, chat_template_kwargs={}, dataset=data,
+            num_generations=8, generation_batch_size=8, shuffle=True, seed=0, reward_funcs=[length_reward],
+            reward_func_names=["length_reward"], decode=False, parent_pid=0,
+        )  # fmt: skip
+        producer = RolloutProducer(
+            spec,
+            lambda ids, seed: generate_with_behaviour_logprobs(
+                model, ids, config, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", seed=seed
+            ),
+        )
+        batches[rank] = [producer.produce(i) for i in range(3)]
+    for first, second in zip(batches[0], batches[1], strict=True):
+        assert first["rows"] == second["rows"]  # the same prompt: one group across both ranks
+        assert first["completion_ids"] != second["completion_ids"]

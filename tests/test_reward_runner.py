@@ -177,3 +177,60 @@ def test_async_text_reward_and_model_rejected():
 def test_decode_length_is_checked():
     with pytest.raises(ValueError, match="decode"):
         run([word_count], decode=CountingDecode(TEXTS[:2]))
+
+
+class RecordsPrepare(TensorReward):
+    def __init__(self):
+        super().__init__()
+        self.prepared = []
+
+    def prepare(self, **columns):
+        self.prepared.append(columns)
+
+    def score(self, completion_ids, completion_mask, **columns):
+        return torch.zeros(completion_ids.shape[0])
+
+
+class TextRewardWithPrepare:
+    """A text reward that happens to have a `prepare` method: `prepare_rewards` leaves text rewards alone."""
+
+    __name__ = "text_reward_with_prepare"
+
+    def __init__(self):
+        self.prepared = 0
+
+    def prepare(self, **columns):
+        self.prepared += 1
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+
+def test_prepare_rewards_calls_prepare_on_every_tensor_reward_only():
+    import functools
+
+    from trl_async.rewards import prepare_rewards
+
+    plain, behind_partial, text = RecordsPrepare(), RecordsPrepare(), TextRewardWithPrepare()
+
+    def marked(completion_ids, completion_mask, **kwargs):
+        return completion_mask.float().sum(1)
+
+    marked.__tensor_reward__ = True
+    marked.prepared = []
+    marked.prepare = lambda **columns: marked.prepared.append(columns)
+    columns = {"answer": ["1", "2", "3"], "question": ["a", "b", "c"]}  # any length: a batch or a whole dataset
+    funcs = [plain, functools.partial(behind_partial), text, word_count, mask_length, marked]
+    assert prepare_rewards(funcs, columns) is None
+    assert plain.prepared == [columns] and behind_partial.prepared == [columns] and marked.prepared == [columns]
+    assert text.prepared == 0  # text rewards are never prepared
+    # `mask_length` (a decorated function) has the default, do-nothing `prepare`: scoring is unchanged.
+    out, decode = run([plain, mask_length])
+    assert out[:, 1].tolist() == [4.0, 3.0, 1.0, 4.0] and decode.calls == 0
+
+
+def test_prepare_rewards_wants_columns_as_a_dict():
+    from trl_async.rewards import prepare_rewards
+
+    with pytest.raises(TypeError, match="dict"):
+        prepare_rewards([RecordsPrepare()], [["1", "2"]])

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .losses import M2PO_RULES, M2PO_SCOPES
 from .rollout.queue import last_use_version
 
 logger = logging.getLogger(__name__)
 
-GENERATION_BACKENDS = ("hf",)
-# Backends designed for but not built yet: named here so the error says so instead of "unknown".
-PLANNED_GENERATION_BACKENDS = ("vllm",)
-M2PO_VARIANTS = ("paper", "token")
+GENERATION_BACKENDS = ("hf", "vllm")
+M2PO_VARIANTS = ("m2po", "reference_page")
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
 
@@ -69,7 +68,11 @@ class AsyncGRPOConfig(GRPOConfig):
     )
     generation_backend: str = field(
         default="hf",
-        metadata={"help": "Generation backend of the background process: 'hf' (transformers `generate`)."},
+        metadata={
+            "help": "Generation backend of the background process: 'hf' (transformers `generate`) or 'vllm' (vLLM, "
+            "see docs/vllm.md): with TRL's `vllm_mode='colocate'` an engine inside each generation process, with "
+            "`vllm_mode='server'` a running server (`vllm_server_*`). TRL's `use_vllm=True` selects 'vllm'."
+        },
     )
     generation_device: str | None = field(
         default=None,
@@ -91,7 +94,8 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "While the generation process starts (spawn, imports, model build: seconds), the trainer produces "
             "the first generation batches itself, with the same code and the same per-batch seeds, so training never "
             "waits for a cold generator; it switches to the queue as soon as the generation process is ready. False: "
-            "the trainer waits for the generation process instead."
+            "the trainer waits for the generation process instead. Ignored (False) under FSDP2 / ZeRO-3, where "
+            "generating on the sharded model would gather it at every decoding step."
         },
     )
     generator_startup_timeout: float = field(
@@ -110,28 +114,55 @@ class AsyncGRPOConfig(GRPOConfig):
     m2po_threshold: float = field(
         default=0.04,
         metadata={
-            "help": "τ_M2 of M2PO (loss_type='m2po', m2po_variant='paper'): tokens with the largest squared log "
-            "importance ratio are masked until the mean over the kept tokens is at most this value."
+            "help": "τ_M2 of M2PO (Zheng et al. 2025, 0.04 in the paper): the bound on the mean squared log importance "
+            "ratio δ² = (log π_θ − log μ)²; m2po_rule says which tokens it constrains."
+        },
+    )
+    m2po_rule: str = field(
+        default="paper",
+        metadata={
+            "help": "Which M2PO rule (docs/m2po.md). 'paper': Algorithm 1 of Zheng et al. 2025 (arXiv 2510.01161), as "
+            "ms-swift PR #9965 and Trinity-RFT PR #616 implement it: only trust-region tokens ((A>0 and r>1) or (A<0 "
+            "and r<1)) are candidates; the largest δ² are masked until their mean is ≤ m2po_threshold; no ε-clip. "
+            "'all_tokens': every valid token is a candidate (AReaL PR #480); a micro-batch whose every token breaks "
+            "the bound is skipped and counted. 'authors_code': the authors' training code (Infini-AI-Lab/M2PO "
+            "verl/trainer/ppo/core_algos.py), which produced the paper's numbers: a PPO clip exp(±τ_c) whose cut "
+            "keeps the harmful tokens' capped mean δ² ≤ m2po_threshold; no clip when the budget holds."
+        },
+    )
+    m2po_scope: str = field(
+        default="micro_batch",
+        metadata={
+            "help": "Over which tokens M2PO selects. 'micro_batch': one rank's micro-batch (the authors' code, AReaL). "
+            "'global': the whole optimizer batch across data-parallel ranks (ms-swift, Trinity-RFT): two small "
+            "all_gathers per optimizer step; needs gradient_accumulation_steps=1 (as ms-swift's Hugging Face path)."
+        },
+    )
+    m2po_clip_floor_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "m2po_rule='authors_code' only: the authors' optional miniclip_low (their function default 0.3; "
+            "no shipped script sets it). The clip's lower ratio bound is at most 1 − low. None = off."
+        },
+    )
+    m2po_clip_floor_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "m2po_rule='authors_code' only: the authors' optional miniclip_high (their function default 0.5; "
+            "no shipped script sets it). The clip's upper ratio bound is at least 1 + high. None = off."
         },
     )
     m2po_variant: str = field(
-        default="paper",
+        default="m2po",
         metadata={
-            "help": "'paper': the published M2PO rule (Zheng et al. 2025, arXiv 2510.01161), no ε-clip. 'token': "
-            "the per-token rule r² ≤ m2po_gamma inside the PPO clip, as printed on the AsyncTensorRLHF page; kept "
-            "only to reproduce that page's figures side by side."
-        },
-    )
-    m2po_aligned_only: bool = field(
-        default=False,
-        metadata={
-            "help": "The M2PO authors' later variant: only tokens whose ratio moves with their advantage "
-            "((A>0 and r>1) or (A<0 and r<1)) may be masked; the others are always kept and count in the mean."
+            "help": "'m2po': the published M2PO family (m2po_rule picks the rule). 'reference_page': the per-token rule "
+            "r² ≤ m2po_gamma inside the PPO clip, as printed on the AsyncTensorRLHF page; not the published M2PO, "
+            "kept only to reproduce that page's figures side by side."
         },
     )
     m2po_gamma: float = field(
         default=2.0,
-        metadata={"help": "γ of m2po_variant='token': a token is kept when r² ≤ γ."},
+        metadata={"help": "γ of m2po_variant='reference_page': a token is kept when r² ≤ γ."},
     )
 
     def __post_init__(self):
@@ -198,8 +229,6 @@ def validate_async_fields(args) -> None:
         isinstance(args.weight_sync_steps, int) and args.weight_sync_steps >= 1,
         f"weight_sync_steps must be an integer >= 1, got {args.weight_sync_steps!r}.",
     )
-    if args.generation_backend in PLANNED_GENERATION_BACKENDS:
-        raise ValueError(f"generation_backend={args.generation_backend!r} is not available in this release; use 'hf'.")
     _check(
         args.generation_backend in GENERATION_BACKENDS,
         f"generation_backend={args.generation_backend!r} is unknown. Use one of {list(GENERATION_BACKENDS)}.",
@@ -222,8 +251,35 @@ def validate_async_fields(args) -> None:
     )
     _check(
         args.m2po_variant in M2PO_VARIANTS,
-        f"m2po_variant={args.m2po_variant!r} is unknown. Use 'paper' (published M2PO) or 'token' (reference page).",
+        f"m2po_variant={args.m2po_variant!r} is unknown. Use 'm2po' (the published M2PO, rule set by m2po_rule) or "
+        "'reference_page' (the AsyncTensorRLHF page's token rule).",
     )
+    _check(
+        args.m2po_rule in M2PO_RULES,
+        f"m2po_rule={args.m2po_rule!r} is unknown. Use 'paper' (Algorithm 1, the default), 'all_tokens' (AReaL's "
+        "candidate set) or 'authors_code' (the authors' training code); see docs/m2po.md.",
+    )
+    _check(
+        args.m2po_scope in M2PO_SCOPES,
+        f"m2po_scope={args.m2po_scope!r} is unknown. Use 'micro_batch' or 'global'.",
+    )
+    low, high = args.m2po_clip_floor_low, args.m2po_clip_floor_high
+    _check(low is None or 0 <= low < 1, f"m2po_clip_floor_low must be None or in [0, 1), got {low!r}.")
+    _check(high is None or high >= 0, f"m2po_clip_floor_high must be None or >= 0, got {high!r}.")
+    _check(
+        (low is None and high is None) or args.m2po_rule == "authors_code",
+        "m2po_clip_floor_low/high apply to m2po_rule='authors_code' only; unset them or set m2po_rule='authors_code'.",
+    )
+    if args.loss_type == "m2po" and args.m2po_scope == "global":
+        _check(
+            args.m2po_variant == "m2po",
+            "m2po_scope='global' applies to m2po_variant='m2po' only; use m2po_scope='micro_batch'.",
+        )
+        _check(
+            getattr(args, "gradient_accumulation_steps", 1) == 1,
+            "m2po_scope='global' selects over the whole optimizer batch and needs gradient_accumulation_steps=1 "
+            "(raise per_device_train_batch_size instead), or use m2po_scope='micro_batch'.",
+        )
     _check(args.m2po_gamma is not None and args.m2po_gamma > 0, f"m2po_gamma must be > 0, got {args.m2po_gamma!r}.")
 
     if args.async_generation and args.max_staleness is not None:

@@ -204,8 +204,16 @@ def extract_gsm8k_answer(text: str | None) -> str | None:
     return ans or None
 
 
-def _looks_like_path(s: str) -> bool:
-    return os.sep in s or (os.altsep is not None and os.altsep in s) or s.lower().endswith((".json", ".jsonl"))
+def looks_like_local_path(name: str) -> bool:
+    """A local path rather than a Hub id ('org/name'): starts with `.`, `/` or `~`, ends with `/` or in .json/.jsonl,
+    has two or more slashes, or exists."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.endswith("/")
+        or name.lower().endswith((".json", ".jsonl"))
+        or name.count("/") > 1
+        or os.path.exists(name)
+    )
 
 
 def _json_files(folder: str) -> list[str]:
@@ -233,17 +241,17 @@ def load_gsm8k(name_or_path: str = "openai/gsm8k", split: str = "train", config:
     Hub dataset id, loaded with ``load_dataset(name_or_path, config, split=split)``. For local data the
     ``split`` and ``config`` arguments are ignored (all rows are returned).
 
-    A string that looks like a path (contains a path separator or ends in ``.json``/``.jsonl``) but does
-    not exist raises ``FileNotFoundError`` at once, instead of being tried as a Hub id.
+    A string that looks like a path (``looks_like_local_path``) but does not exist raises ``FileNotFoundError`` at
+    once, instead of being tried as a Hub id.
     """
     from datasets import load_dataset
 
-    name_or_path = os.fspath(name_or_path)
+    name_or_path = os.path.expanduser(os.fspath(name_or_path))
     if os.path.isfile(name_or_path):
         ds = load_dataset("json", data_files=[name_or_path], split="train")
     elif os.path.isdir(name_or_path):
         ds = load_dataset("json", data_files=_json_files(name_or_path), split="train")
-    elif _looks_like_path(name_or_path):
+    elif looks_like_local_path(name_or_path):
         raise FileNotFoundError(f"GSM8K data path {name_or_path!r} does not exist.")
     else:
         ds = load_dataset(name_or_path, config, split=split)

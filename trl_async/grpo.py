@@ -30,20 +30,20 @@ from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.grpo_trainer import logger as trl_logger
 
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
+from .hub import ModelCardMixin
 from .importance import fold_into_advantages, truncated_importance_weights
-from .losses import m2po_loss, reference_m2po_loss
+from .losses import m2po_loss, m2po_metrics, m2po_select_global, reference_m2po_loss
 from .rewards import is_tensor_reward
 from .rollout import GeneratorSpec, ModelSpec
 from .rollout.client import RolloutClient, RolloutSettings
+from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
 from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
-
-# How the `async/*` and `m2po/*` values appended during a logging window are reduced when TRL logs (TRL averages).
-_WINDOW_SUMS = ("m2po/all_masked_batches",)
 
 
 class _PublishWeights(TrainerCallback):
@@ -85,7 +85,7 @@ class _EndlessRolloutTicks(torch.utils.data.IterableDataset):
             index += 1
 
 
-class AsyncGRPOTrainer(GRPOTrainer):
+class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that generates asynchronously and supports `loss_type="m2po"`.
 
     It takes exactly `GRPOTrainer`'s arguments. `args` may be a plain `trl.GRPOConfig` (the async defaults of
@@ -93,6 +93,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "trl-async"]
+    model_card_kind = "grpo"  # the card: trl_async.hub.ModelCardMixin
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *positional, **kwargs)
@@ -102,6 +103,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             bound.arguments["args"] = args
         ensure_async_fields(args)
         check_m2po_supported(args, model)
+        if args.async_generation and args.use_vllm:
+            # TRL's vLLM generation runs in the training process; ours runs in the generation process. Same knobs.
+            logger.info("trl_async: use_vllm=True runs vLLM in the generation process (generation_backend='vllm').")
+            args.generation_backend, args.use_vllm = "vllm", False
         if args.async_generation:
             given = bound.arguments
             check_async_supported(
@@ -114,6 +119,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                 environment_factory=given.get("environment_factory"),
             )
         super().__init__(*bound.args[1:], **bound.kwargs)
+        self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._rollout = RolloutClient(
             RolloutSettings(
                 max_staleness=self.args.max_staleness,
@@ -129,6 +135,21 @@ class AsyncGRPOTrainer(GRPOTrainer):
         )
         if self.args.async_generation:
             self.add_callback(_PublishWeights(self))
+            if self.args.generation_backend == "vllm":
+                import importlib.util
+
+                from .rollout.vllm_backend import sampling_kwargs
+
+                if self.args.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
+                    raise ImportError(
+                        "generation_backend='vllm' (or use_vllm=True) needs vLLM in this environment: `pip install "
+                        "trl-async[vllm]` on GPUs; on CPUs follow docs/vllm.md (`bash .ci/vllm_env.sh`). Or set "
+                        "generation_backend='hf'."
+                    )
+                # A sampling setting vLLM cannot honour fails here, before any process starts.
+                sampling_kwargs(
+                    self.generation_config, self.temperature, list(self.eos_token_ids), self.args.generation_kwargs
+                )
 
     # --------------------------------------------------------------------------------------------- lifecycle
     def _async_training(self) -> bool:
@@ -147,31 +168,22 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _all_reduce_max(self, value: int) -> int:
         return int(gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
-    def _generation_placement(self) -> tuple[str, int]:
-        args = self.args
-        device = args.generation_device or str(self.accelerator.device)
+    def _placement(self) -> Placement:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        cores = max(1, available // max(1, local_world))
-        threads = args.generation_num_threads
-        on_cpu = torch.device(device).type == "cpu"
-        omp_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if threads is None:
-            threads = max(1, cores // 2) if on_cpu else 1
-            if omp_threads.isdigit():
-                threads = min(threads, max(1, int(omp_threads)))
-        if on_cpu and self.accelerator.device.type == "cpu" and not omp_threads:
-            # Both processes compute on the same cores: split them instead of oversubscribing.
-            torch.set_num_threads(max(1, cores - threads))
-        return device, threads
+        return choose_placement(
+            self.args.generation_device,
+            self.accelerator.device,
+            self.args.generation_num_threads,
+            rank_cores(local_world),
+            os.environ.get("OMP_NUM_THREADS"),
+        )
 
-    def _generator_spec(self) -> GeneratorSpec:
+    def _generator_spec(self, placement: Placement) -> GeneratorSpec:
         """What this rank's generation process needs: TRL's sampling settings, prompt order and reward callables."""
         args = self.args
         model = self.accelerator.unwrap_model(self.model)
         is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
         base = model.get_base_model() if is_peft else model
-        device, threads = self._generation_placement()
         reward_models = [isinstance(f, torch.nn.Module) and not is_tensor_reward(f) for f in self.reward_funcs]
         any_text_reward = any(
             not is_tensor_reward(f) and not m for f, m in zip(self.reward_funcs, reward_models, strict=True)
@@ -186,14 +198,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return GeneratorSpec(
             process_index=self.accelerator.process_index,
             num_processes=self.accelerator.num_processes,
-            device=device,
-            num_threads=threads,
-            backend=args.generation_backend,
+            device=placement.device,
+            num_threads=placement.generator_threads,
+            backend=self._backend_name(),
+            backend_options=self._backend_options(placement),
             model_spec=ModelSpec(
                 config=base.config,
                 dtype=next(base.parameters()).dtype,
                 peft_config=model.peft_config[model.active_adapter] if is_peft else None,
                 adapter_name=model.active_adapter if is_peft else "default",
+                generation_defaults=getattr(base, "generation_config", None),
             ),
             generation_config=self.generation_config,
             temperature=self.temperature,
@@ -215,6 +229,39 @@ class AsyncGRPOTrainer(GRPOTrainer):
             parent_pid=os.getpid(),
             columns=columns,
         )
+
+    def _backend_name(self) -> str:
+        if self.args.generation_backend == "vllm":
+            return "vllm-server" if self.args.vllm_mode == "server" else "vllm"
+        return self.args.generation_backend
+
+    def _backend_options(self, placement: Placement) -> dict:
+        """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
+        args = self.args
+        if args.generation_backend != "vllm":
+            return {}
+        if args.vllm_mode == "server":
+            return dict(
+                base_url=args.vllm_server_base_url,
+                host=args.vllm_server_host,
+                port=args.vllm_server_port,
+                group_port=args.vllm_group_port,
+                connection_timeout=args.vllm_server_timeout,
+                sampling_overrides=args.generation_kwargs,
+            )
+        engine_kwargs = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}
+        if args.vllm_enable_sleep_mode:
+            engine_kwargs["enable_sleep_mode"] = True
+        options = dict(
+            max_model_len=args.vllm_max_model_length,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            engine_seed=args.seed,
+            sampling_overrides=args.generation_kwargs,
+            engine_kwargs=engine_kwargs or None,
+        )
+        if torch.device(placement.device).type == "cuda":  # on CPU vLLM sizes its KV cache in bytes instead
+            options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        return options
 
     def close_rollout(self) -> None:
         """Stop this rank's generation process (idempotent). Called automatically when `train()` returns/raises."""
@@ -266,11 +313,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self._async_training():
             return super()._generate_and_score_completions(inputs)
         if not self._rollout.started:
+            placement = self._placement()
             self._rollout.start(
-                self._generator_spec(),
+                self._generator_spec(placement),
                 self.accelerator.unwrap_model(self.model),
                 version=self.state.global_step,
                 trainer_state=self.state,
+                trainer_threads=placement.trainer_threads,
             )
         batch = self._rollout.next_batch(
             self._last_use_version(), self.accelerator.unwrap_model(self.model), current_version=self.state.global_step
@@ -313,8 +362,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
         for name, values in payload["logged_metrics"].items():
             for value in values:
                 self._log_metric(name, value)
-        rewards = gather(payload["rewards_per_func"].to(self.accelerator.device))
+        local = payload["rewards_per_func"].to(self.accelerator.device)
         model_columns = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, torch.nn.Module)]
+        if not model_columns and torch.isnan(local).all(dim=1).any():
+            # TRL's warning, on TRL's logger, for rows no reward function scored (TRL's own code, which warns, only
+            # runs here for reward models).
+            row = int(torch.isnan(local).all(dim=1).nonzero()[0])
+            trl_logger.warning(
+                f"All reward functions returned None for the following kwargs:\n{inputs[row]}\n"
+                "Please ensure that at least one reward function returns a valid reward."
+            )
+        rewards = gather(local)
         if model_columns:
             with self._only_reward_functions(model_columns):
                 scored = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -369,13 +427,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
             inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
         flat = weights.flatten() if weights.size(1) == 1 else weights[mask.bool()]
         if flat.numel():
-            stats = torch.stack([flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean()])
-            mean, low, high, zero = gather(stats.unsqueeze(0)).view(-1, 4).T
+            # Weights the truncation changed: set to 0 (mask modes) or clamped to a bound (truncate modes; a ratio
+            # exactly on a bound has probability zero).
+            bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
+            clipped = (
+                (flat == 0)
+                if args.vllm_importance_sampling_mode.endswith("mask")
+                else torch.isin(flat, torch.tensor(bounds, dtype=flat.dtype, device=flat.device))
+            )
+            stats = torch.stack(
+                [flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean(), clipped.float().mean()]
+            )
+            mean, low, high, zero, changed = gather(stats.unsqueeze(0)).view(-1, 5).T
             metrics = self._metrics["train"]
             metrics["sampling/importance_sampling_ratio/mean"].append(mean.mean().item())
             metrics["sampling/importance_sampling_ratio/min"].append(low.min().item())
             metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
             metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
+            metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(changed.mean().item())
 
     @contextlib.contextmanager
     def _observe_policy_logps(self, observe):
@@ -436,16 +505,19 @@ class AsyncGRPOTrainer(GRPOTrainer):
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
-        if args.m2po_variant == "paper":
+        if args.m2po_variant == "m2po":
+            floors = dict(clip_floor_low=args.m2po_clip_floor_low, clip_floor_high=args.m2po_clip_floor_high)
+            selection = None
+            if args.m2po_scope == "global" and mode == "train":
+                # The whole optimizer batch (gradient_accumulation_steps=1: this micro-batch on every rank).
+                adv = advantages.detach().unsqueeze(1) if advantages.dim() == 1 else advantages.detach()
+                selection = m2po_select_global(
+                    per_token_logps.detach() - behaviour, mask, args.m2po_threshold, adv, args.m2po_rule, **floors
+                )
             loss, stats = m2po_loss(
-                per_token_logps,
-                behaviour,
-                advantages,
-                mask,
-                threshold=args.m2po_threshold,
-                normalizer=normalizer,
-                aligned_only=args.m2po_aligned_only,
-            )
+                per_token_logps, behaviour, advantages, mask, threshold=args.m2po_threshold, normalizer=normalizer,
+                rule=args.m2po_rule, selection=selection, **floors,
+            )  # fmt: skip
         else:
             loss, stats = reference_m2po_loss(
                 per_token_logps,
@@ -465,14 +537,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             loss = loss + self.beta * (per_token_kl * mask).sum() / normalizer
             metrics["kl"].append(self._global_masked_mean(per_token_kl, mask))
         metrics["entropy"].append(self._global_masked_mean(entropies, mask))
-        keys = ("masked_fraction", "m2_before", "m2_after")
-        values = gather(torch.stack([stats[k].float() for k in keys] + [stats["all_masked"].float()]).unsqueeze(0))
-        values = values.view(-1, len(keys) + 1)
-        for key, value in zip(keys, values[:, : len(keys)].mean(dim=0).tolist(), strict=True):
-            metrics[f"m2po/{key}"].append(value)
-        all_masked = values[:, -1].sum().item()  # micro-batches (over ranks) in which M2PO masked every token
-        metrics["m2po/all_masked_batches"].append(all_masked)
-        if all_masked:
+        # Token-weighted over the logging window and every rank (see `log`): sums here, ratios when logged.
+        sums = self.accelerator.reduce(stats["sums"].detach().to(torch.float64), reduction="sum")
+        self._m2po_window[mode] = sums if self._m2po_window.get(mode) is None else self._m2po_window[mode] + sums
+        if sums[-1] > 0:
             logger.warning(
                 "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
                 "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
@@ -514,14 +582,17 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------- metrics
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`GRPOTrainer.log`, plus the `async/*` metrics of the logging window. TRL averages every metric over the
-        window; counts (`m2po/all_masked_batches`) are summed instead, and `async/*` are computed for the window."""
+        """`GRPOTrainer.log`, plus the `async/*` and `m2po/*` metrics of the logging window, computed from window
+        totals (TRL averages the values appended during the window; a mean of per-batch fractions or maxima would not
+        mean what the names say): `m2po/*` are token-weighted over the window and every rank, and
+        `m2po/all_masked_batches` is a count."""
+        mode = "train" if self.model.training else "eval"
         if self.model.training and self._rollout_started():
             self._log_async_window()
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for key in _WINDOW_SUMS:
-            if key in metrics:
-                metrics[key] = [sum(metrics[key])]
+        window = self.__dict__.get("_m2po_window", {}).pop(mode, None)
+        if window is not None:
+            for key, value in m2po_metrics(window).items():
+                self._metrics[mode][f"m2po/{key}"] = [value]
         super().log(logs, start_time)
 
     def _log_async_window(self) -> None:

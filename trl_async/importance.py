@@ -1,15 +1,31 @@
 """Importance correction of TRL's loss types against the behaviour policy.
 
-Rows from the queue were sampled by an older policy μ (the weights version that generated them), while TRL's loss
-types clip the ratio π_θ / π_old with π_old the *current* policy at batch time. TRL already has a correction for the
-same situation, the vLLM sampler/trainer mismatch (`vllm_importance_sampling_correction`): a truncated (or masked)
-importance weight w = π_old / μ, per token or per sequence, multiplies the per-token loss. We reuse its semantics and
-its knobs (`vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`).
+Rows from the queue were sampled by an older policy μ (the weights version that generated them, under the processed
+sampling distribution), while TRL's loss types clip the ratio π_θ / π_old with π_old the *current* policy at batch time.
+TRL already has a correction for the same situation, the vLLM sampler/trainer mismatch
+(`vllm_importance_sampling_correction`): a truncated (or masked) importance weight w = π_old / μ, per token or per
+sequence, multiplies the per-token policy loss (VESPO instead takes it inside its φ). We reuse its semantics and its
+knobs (`vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`).
 
-Rather than re-implement TRL's loss to multiply by w, the weight is folded into the advantages: for every TRL loss
-type the policy term is positively homogeneous in the advantage, e.g. w · min(r A, clip(r) A) = min(r wA, clip(r) wA)
-for w ≥ 0, and the KL and entropy terms do not involve A. TRL's `_compute_loss` accepts per-token advantages (B, T),
-so the correction needs no override of TRL's loss at all.
+Where π_old comes from (no forward beyond TRL's own): when a batch is used within one optimizer step (TRL's default
+schedule), π_old is π_θ of the loss's own forward, detached; when it spans several steps, TRL computes
+`old_per_token_logps` anyway and they are used.
+
+How w enters each TRL 1.16 loss (w ≥ 0; r = π_θ/π_old; A the advantage; ℓ the per-token policy loss TRL multiplies
+by w on its vLLM path):
+
+* grpo, bnpo, dr_grpo, dapo, luspo: ℓ = −min(r·A, clip(r)·A). For w ≥ 0, w·min(x, y) = min(w·x, w·y), so
+  w·ℓ(A) = ℓ(w·A): folding w into the advantages is exact.
+* cispo: ℓ = −sg(min(r, ε_high))·A·log π_θ, linear in A: w·ℓ(A) = ℓ(w·A).
+* sapo: ℓ = −σ(τ_A·(r − 1))·4/τ_A·A with τ_A chosen by the sign of A. sign(w·A) = sign(A) for w > 0, so
+  w·ℓ(A) = ℓ(w·A); for w = 0 both sides are 0.
+* vespo: φ depends on the ratio itself; TRL feeds w through `importance_sampling_ratio` into φ and does not multiply
+  the loss, so that is what we do (no folding).
+* The KL and entropy terms do not involve A, and TRL's vLLM path multiplies only the policy term: folding leaves them
+  untouched too. TRL's `_compute_loss` accepts per-token advantages (B, T).
+
+`tests/test_importance_trainer.py` checks each case: loss and gradients equal TRL's own vLLM-path loss given the same
+weights.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .rollout.gather import FSDP1_MESSAGE
+
 ASYNC_OFF = "set async_generation=False (AsyncGRPOConfig) to run TRL's synchronous generation with it"
 
 
@@ -39,15 +41,19 @@ def _is_quantized(model, args, quantization_config) -> bool:
     return False
 
 
-def _sharded_training(args) -> str | None:
-    deepspeed_plugin = getattr(args, "deepspeed_plugin", None)
-    if deepspeed_plugin is not None and getattr(deepspeed_plugin, "zero_stage", 0) == 3:
-        return "DeepSpeed ZeRO-3"
-    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        return "FSDP"
-    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-        return "DeepSpeed ZeRO-3"
-    return None
+def _uses_fsdp1(args) -> bool:
+    """FSDP1 is on: set in the training arguments (transformers' `fsdp` + `fsdp_config`, FSDP2 unless its `version` is
+    1), or by `accelerate launch --use_fsdp` / an accelerate config (`FSDP_VERSION`, which defaults to 1 there).
+    FSDP2 and DeepSpeed ZeRO-3 are supported: their parameters are gathered before publishing (`rollout.gather`)."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None)  # what the HF Trainer hands to accelerate's FSDP plugin
+    if plugin_args:
+        return int(plugin_args.get("fsdp_version", 2)) == 1
+    if getattr(args, "fsdp", None):
+        config = getattr(args, "fsdp_config", None) or {}
+        return int(config.get("version", config.get("fsdp_version", 2))) == 1
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return int(os.environ.get("FSDP_VERSION", "1")) == 1
+    return False
 
 
 def check_async_supported(
@@ -82,12 +88,8 @@ def check_async_supported(
             "a quantized base model (QLoRA / bitsandbytes): the generation process rebuilds the base from its config "
             "and would sample from an unquantized copy"
         )
-    sharded = _sharded_training(args)
-    if sharded:
-        reasons.append(
-            f"{sharded}: sharded parameters cannot be published to the generation process yet (gathering them is "
-            "planned); use DDP"
-        )
+    if _uses_fsdp1(args):
+        reasons.append(FSDP1_MESSAGE)
     if reasons:
         raise ValueError(
             "Asynchronous generation (AsyncGRPOTrainer's default) does not support: "

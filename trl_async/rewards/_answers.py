@@ -68,18 +68,17 @@ def _group_thousands(digits: str, sep: str) -> str:
     return sep.join(parts)
 
 
-@functools.lru_cache(maxsize=65536)
-def surface_forms(gold: str, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> tuple[str, ...]:
-    """Every accepted spelling of a canonical gold answer (without the separator after the marker).
+def number_parts(gold: str, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The two independent halves of a canonical numeric gold answer's spellings, or `((), ())` for a non-numeric
+    one: `(sign_prefixes, bodies)`, every surface form being `sign_prefix + body` (see [`surface_forms`]).
 
-    For an integer `n`: `n`, `n.0`, `n.00`, and with thousands separators `1,000` / `1{,}000` when `|n| >= 1000`;
-    each with an optional prefix (currency `$`, `\\$`, or markdown bold `**`); a negative sign before or after the
-    prefix (`-$5`, `$-5`).
-    For a decimal `d`: `d` and `d` with one trailing zero (`2.5`, `2.50`; `0.5` also as `.5`). A non-numeric gold
-    answer is its own only form."""
+    - `sign_prefixes`: the prefixes (`""`, `$`, `\\$`, `**`), and for a negative answer a `-` before or after each.
+    - `bodies`: the digits, with thousands separators (`1,000`, `1{,}000`) when `|n| >= 1000`, `.0`/`.00` on an
+      integer, one trailing zero (`2.50`) or no leading zero (`.5`) on a decimal.
+    """
     m = _CANONICAL_NUMBER.fullmatch(gold)
     if m is None:
-        return (gold,)
+        return (), ()
     negative, int_part, frac = m.group(1), m.group(2), m.group(3)
     ints = [int_part]
     if len(int_part) > 3:
@@ -90,15 +89,27 @@ def surface_forms(gold: str, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> tu
             ints.append("")
     else:
         decimals = ["", ".0", ".00"]
-    bodies = [i + d for i in ints for d in decimals if i + d]
-    forms: list[str] = []
-    for cur in prefixes:
-        for body in bodies:
-            if negative:
-                forms += [f"-{cur}{body}", f"{cur}-{body}"]
-            else:
-                forms.append(cur + body)
-    return tuple(dict.fromkeys(forms))
+    bodies = tuple(dict.fromkeys(i + d for i in ints for d in decimals if i + d))
+    if negative:
+        sign_prefixes = tuple(dict.fromkeys(s for cur in prefixes for s in (f"-{cur}", f"{cur}-")))
+    else:
+        sign_prefixes = tuple(dict.fromkeys(prefixes))
+    return sign_prefixes, bodies
+
+
+@functools.lru_cache(maxsize=65536)
+def surface_forms(gold: str, prefixes: tuple[str, ...] = DEFAULT_PREFIXES) -> tuple[str, ...]:
+    """Every accepted spelling of a canonical gold answer (without the separator after the marker).
+
+    For an integer `n`: `n`, `n.0`, `n.00`, and with thousands separators `1,000` / `1{,}000` when `|n| >= 1000`;
+    each with an optional prefix (currency `$`, `\\$`, or markdown bold `**`); a negative sign before or after the
+    prefix (`-$5`, `$-5`).
+    For a decimal `d`: `d` and `d` with one trailing zero (`2.5`, `2.50`; `0.5` also as `.5`). A non-numeric gold
+    answer is its own only form."""
+    sign_prefixes, bodies = number_parts(gold, prefixes)
+    if not bodies:
+        return (gold,)
+    return tuple(dict.fromkeys(sp + body for sp in sign_prefixes for body in bodies))
 
 
 def answer_suffixes(

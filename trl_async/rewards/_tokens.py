@@ -105,6 +105,17 @@ def encode_with_offsets(tokenizer: Any, texts: Sequence[str]) -> list[tuple[list
     ]
 
 
+def encode_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens), in one call of the Rust batch encoder when the tokenizer has one
+    (`backend_tokenizer.encode_batch`, which skips the transformers wrapper)."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
 def anchored_variants(
     tokenizer: Any,
     text: str,

@@ -9,8 +9,10 @@ class MyReward(TensorReward):
         return ...  # FloatTensor of shape (B,), on completion_ids.device
 ```
 
-Everything tokenizer-dependent (EOS ids, token spellings of a gold answer) is prepared at construction time or
-cached the first time a value is seen; `score` itself only runs tensor ops.
+Everything tokenizer-dependent (EOS ids, token spellings of a gold answer) is prepared at construction time, or
+per dataset value by the optional `prepare(**columns)` hook, which the generation process calls off the reward
+path (`trl_async.rewards.prepare_rewards`); `score` itself only runs tensor ops. A value that was not prepared is
+prepared on first sight inside `score`, which is correct but puts the tokenizer work on the reward path.
 
 Every `TensorReward` is *also* an ordinary TRL reward function: `reward(prompts=..., completions=...,
 completion_ids=[[...], ...], **columns)` right-pads the id lists, calls `score` and returns a `list[float]`, so the
@@ -120,6 +122,16 @@ class TensorReward:
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         """Return a `FloatTensor[B]` on `completion_ids.device`. Must not decode or call a tokenizer."""
         raise NotImplementedError
+
+    def prepare(self, **columns: Any) -> None:
+        """Do, now, every tokenizer-dependent piece of work that `score` would need for rows with these values.
+
+        `columns` are dataset columns, one list each (the same columns `score` gets, for any number of rows: a
+        batch, or a whole dataset). After `prepare(**columns)`, `score` on rows whose values appeared in `columns`
+        calls no tokenizer. Columns a reward does not use are ignored. Idempotent; the default does nothing (a
+        reward that needs no per-value preparation). It may run in another thread than `score`: an
+        implementation that mutates shared caches must guard them."""
+        return None
 
     def __call__(self, *args: Any, completion_ids: Any = None, completion_mask: Any = None, **kwargs: Any):
         if args:

@@ -32,7 +32,7 @@ import torch
 
 from .base import TensorReward, is_tensor_reward
 
-__all__ = ["score_completions", "reward_name"]
+__all__ = ["score_completions", "prepare_rewards", "reward_name"]
 
 
 def reward_name(fn: Any) -> str:
@@ -40,6 +40,36 @@ def reward_name(fn: Any) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _tensor_reward_object(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def prepare_rewards(reward_funcs: Sequence[Callable[..., Any]], columns: dict[str, Sequence[Any]]) -> None:
+    """Warm every tokenizer-dependent cache of the tensor-native rewards for rows with these column values, so that
+    scoring those rows later calls no tokenizer.
+
+    Calls `prepare(**columns)` on every tensor-native reward that has one ([`TensorReward.prepare`]; through a
+    `functools.partial`, on the wrapped reward); text rewards and reward models are skipped. `columns` are dataset
+    columns, one sequence each, as `score_completions` gets them (`{"answer": [...], ...}`), for a batch or a whole
+    dataset; they need not have the batch's length. Values already prepared cost a dict lookup each.
+
+    The generation process calls it off the reward path: on the dataset's columns at start-up, and on the next
+    batch's rows while the current batch generates. Rewards that are not prepared still work: they prepare new
+    values on first sight, inside `score`.
+    """
+    if not isinstance(columns, dict):
+        raise TypeError(f"prepare_rewards takes the dataset columns as a dict of lists, got {type(columns).__name__}")
+    for fn in reward_funcs:
+        if not is_tensor_reward(fn):
+            continue
+        target = _tensor_reward_object(fn)
+        prepare = getattr(target, "prepare", None)
+        if callable(prepare):
+            prepare(**columns)
 
 
 def _unpad(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[list[int]]:

@@ -35,10 +35,25 @@ class GenerationOutput:
     completion_ids: torch.Tensor  # (B, L) right-padded with pad_token_id, on the backend's device
     completion_mask: torch.Tensor  # (B, L) bool, True up to and including the first EOS
     logprobs: torch.Tensor  # (B, L) float32 behaviour log-probs, 0 on padding
+    # (B, L) log-probs of the same tokens under the behaviour weights in the trainer's parametrization (logits /
+    # temperature, no top-k/top-p/min-p/repetition penalty), or None where the backend cannot give them (vLLM).
+    policy_logprobs: torch.Tensor | None = None
+
+    def importance_logprobs(self) -> torch.Tensor:
+        """The behaviour log-probs the trainer's importance weight and M2PO compare π_θ with.
+
+        The trainer's π_θ is TRL's: log-softmax of logits / temperature, with no sampling warpers. Against the processed
+        μ (what `generate` sampled from), π_θ/μ would measure the warpers' truncation as well as the policy lag: with
+        `top_k=10` on a 150k vocabulary it is ~1e-4 per token even at staleness 0, the sequence weight underflows, and
+        training stops (TRL's own `test_train_with_additional_generation_kwargs` caught it). Comparing like with like
+        leaves only the lag: the weight is exactly 1 at staleness 0, as in synchronous TRL, which trains on the warped
+        samples without a correction."""
+        return self.policy_logprobs if self.policy_logprobs is not None else self.logprobs
 
     def to_lists(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids and importance log-probs (`importance_logprobs`) per row, without padding."""
         lengths = self.completion_mask.sum(dim=1).tolist()
-        ids, logps = self.completion_ids.tolist(), self.logprobs.tolist()
+        ids, logps = self.completion_ids.tolist(), self.importance_logprobs().tolist()
         return [row[:n] for row, n in zip(ids, lengths, strict=True)], [
             row[:n] for row, n in zip(logps, lengths, strict=True)
         ]
@@ -52,6 +67,9 @@ class ModelSpec:
     dtype: torch.dtype
     peft_config: object | None = None  # peft.PeftConfig when the trainer trains an adapter
     adapter_name: str = "default"
+    # The trainer model's own `generation_config` (its generation_config.json): transformers fills the fields TRL's
+    # GenerationConfig leaves unset from it, so the generator's copy must carry the same defaults.
+    generation_defaults: object | None = None
 
 
 class GenerationBackend(abc.ABC):
@@ -89,22 +107,25 @@ class _SampledTokenLogprobs(LogitsProcessor):
     log μ(y_t) = score_t[y_t] − logsumexp(score_t). Memory: one (B,) vector per step, never a (B, L, V) stack.
     """
 
-    def __init__(self, beat: Callable[[], None] | None = None):
+    def __init__(self, beat: Callable[[], None] | None = None, temperature: float = 1.0):
         self.beat = beat
+        # Set for the recorder that runs FIRST, on raw logits: it records the trainer's parametrization of μ
+        # (logits / temperature), which `GenerationOutput.importance_logprobs` explains.
+        self.temperature = temperature
         self.steps: list[torch.Tensor] = []
         self._scores = None
         self._log_normalizer = None
 
     def _record_previous(self, sampled: torch.Tensor) -> None:
-        if self._scores is not None:
+        if self._scores is not None and self._scores.size(0) == sampled.size(0):  # else beam search: see `finish`
             picked = self._scores.gather(1, sampled.unsqueeze(1)).squeeze(1)
             self.steps.append((picked - self._log_normalizer).float())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._scores is not None:
             self._record_previous(input_ids[:, -1])
-        self._scores = scores
-        self._log_normalizer = torch.logsumexp(scores, dim=-1)
+        self._scores = scores / self.temperature if self.temperature != 1.0 else scores
+        self._log_normalizer = torch.logsumexp(self._scores, dim=-1)
         if self.beat is not None:
             self.beat()
         return scores
@@ -116,8 +137,18 @@ class _SampledTokenLogprobs(LogitsProcessor):
             return torch.zeros(completion_ids.shape, device=completion_ids.device)
         self._record_previous(completion_ids[:, -1])
         self._scores = self._log_normalizer = None
-        # `generate` may run a step past the end and undo it (deferred stop checks): keep the first L steps.
-        return torch.stack(self.steps[:num_tokens], dim=1)
+        # `generate` may run a step past the end and undo it (deferred stop checks): keep the first L steps. A
+        # `generate` that ran no processors (a replaced or mocked one) leaves steps unknown: NaN, which the importance
+        # correction treats as TRL treats vLLM's missing log-probs (no correction for those tokens).
+        steps = self.steps[:num_tokens]
+        if steps and steps[0].size(0) != completion_ids.size(0):
+            # Beam search (`num_beams > 1` in `generation_kwargs`) scores num_beams candidates per row and samples
+            # none of the returned tokens from one distribution: no μ exists, so no correction (NaN, as above).
+            steps = []
+        missing = num_tokens - len(steps)
+        if missing:
+            steps += [torch.full((completion_ids.size(0),), float("nan"), device=completion_ids.device)] * missing
+        return torch.stack(steps, dim=1)
 
 
 def _generation_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -129,8 +160,11 @@ def _generation_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def _recording_behaviour_logprobs(model: torch.nn.Module, recorder: _SampledTokenLogprobs):
-    """Append `recorder` after every processor and warper that `generate` builds for this model.
+def _recording_behaviour_logprobs(
+    model: torch.nn.Module, recorder: _SampledTokenLogprobs, policy_recorder: _SampledTokenLogprobs | None = None
+):
+    """Append `recorder` after every processor and warper that `generate` builds for this model, and put
+    `policy_recorder` (if any) before all of them, on the raw logits.
 
     transformers merges user `logits_processor`s *before* its warpers (temperature, top-k, top-p, min-p), so a user
     processor would see unwarped scores. Wrapping this model instance's `_get_logits_processor` (only for this call)
@@ -141,6 +175,8 @@ def _recording_behaviour_logprobs(model: torch.nn.Module, recorder: _SampledToke
 
     def with_recorder(*args, **kwargs):
         processors = build_processors(*args, **kwargs)
+        if policy_recorder is not None:
+            processors.insert(0, policy_recorder)
         processors.append(recorder)
         return processors
 
@@ -186,8 +222,11 @@ def generate_with_behaviour_logprobs(
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         attention_mask[row, width - len(ids) :] = 1
     recorder = _SampledTokenLogprobs(heartbeat)
+    policy_recorder = _SampledTokenLogprobs(temperature=generation_config.temperature or 1.0)
     cuda_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices), _recording_behaviour_logprobs(model, recorder):
+    # With a seed, sample from it and leave the caller's RNG as it was; without one, draw from the caller's RNG.
+    rng = torch.random.fork_rng(devices=cuda_devices) if seed is not None else contextlib.nullcontext()
+    with rng, _recording_behaviour_logprobs(model, recorder, policy_recorder):
         if seed is not None:
             torch.manual_seed(seed)
         sequences = model.generate(
@@ -196,12 +235,16 @@ def generate_with_behaviour_logprobs(
             generation_config=generation_config,
         )
     completion_ids = sequences[:, width:]
-    logprobs = recorder.finish(completion_ids)
     mask = first_eos_mask(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(~mask, pad_token_id)
     # Positions after the first EOS are padding: their recorded value is meaningless (possibly -inf).
-    logprobs = torch.where(mask, logprobs.to(mask.device), torch.zeros((), device=mask.device))
-    return GenerationOutput(completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs)
+    logprobs, policy_logprobs = (
+        torch.where(mask, r.finish(sequences[:, width:]).to(mask.device), torch.zeros((), device=mask.device))
+        for r in (recorder, policy_recorder)
+    )
+    return GenerationOutput(
+        completion_ids=completion_ids, completion_mask=mask, logprobs=logprobs, policy_logprobs=policy_logprobs
+    )
 
 
 class HFBackend(GenerationBackend):
@@ -238,6 +281,8 @@ class HFBackend(GenerationBackend):
         config = copy.deepcopy(spec.config)
         config.use_cache = True
         model = AutoModelForCausalLM.from_config(config, dtype=spec.dtype)
+        if spec.generation_defaults is not None:
+            model.generation_config = copy.deepcopy(spec.generation_defaults)
         if spec.peft_config is not None:
             from peft import get_peft_model
 
@@ -279,10 +324,10 @@ BACKENDS: dict[str, type[GenerationBackend]] = {"hf": HFBackend}
 
 
 def make_backend(name: str, **kwargs) -> GenerationBackend:
-    if name == "vllm" and name not in BACKENDS:
-        from .vllm_backend import VLLMBackend  # imported lazily: vLLM is an optional dependency
+    if name in ("vllm", "vllm-server") and name not in BACKENDS:
+        from .vllm_backend import VLLMBackend, VLLMServerBackend  # lazily: vLLM is an optional dependency
 
-        BACKENDS["vllm"] = VLLMBackend
+        BACKENDS.update({"vllm": VLLMBackend, "vllm-server": VLLMServerBackend})
     if name not in BACKENDS:
         raise ValueError(f"Unknown generation backend {name!r}; use one of {sorted(BACKENDS)}.")
     return BACKENDS[name](**kwargs)

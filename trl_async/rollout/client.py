@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from .backends import generate_with_behaviour_logprobs, generation_config_for_rollouts
+from .gather import clean_parameter_name, full_placeholders, iter_full_parameters, model_sharding
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer
 from .queue import StalenessBoundedQueue
 from .weights import SharedWeightStore
@@ -65,11 +66,14 @@ class RolloutSettings:
 
 def publishable_parameters(model: torch.nn.Module) -> tuple[list, list]:
     """(frozen, trainable) named parameters the generator's copy needs. For PEFT models, adapters other than the
-    active one (TRL's frozen `ref` copy for the KL term) stay on the trainer: the generator samples from the policy."""
+    active one (TRL's frozen `ref` copy for the KL term) stay on the trainer: the generator samples from the policy.
+
+    Names are the generator's (module wrappers' path components removed, `gather.clean_parameter_name`). Under FSDP2
+    or ZeRO-3 the tensors are this rank's shards: `gather.iter_full_parameters` turns them into whole tensors."""
     others = ()
     if hasattr(model, "peft_config") and hasattr(model, "active_adapter"):
         others = tuple(f".{name}." for name in model.peft_config if name != model.active_adapter)
-    named = [(n, p) for n, p in model.named_parameters() if not any(tag in n for tag in others)]
+    named = [(clean_parameter_name(n), p) for n, p in model.named_parameters() if not any(tag in n for tag in others)]
     return [(n, p) for n, p in named if not p.requires_grad], [(n, p) for n, p in named if p.requires_grad]
 
 
@@ -88,6 +92,8 @@ class RolloutClient:
         self._window = self._empty_window()
         self._last_stats = None
         self._local_trainer_state = None
+        self._trainer_threads = None
+        self._threads_before = torch.get_num_threads()
         self.current: RolloutBatch | None = None  # the batch TRL's scoring code is turning into a batch dict
 
     @property
@@ -99,21 +105,44 @@ class RolloutClient:
         """Resume the prompt stream where a checkpoint left it (call before `start`)."""
         self._restored = state
 
-    def start(self, spec: GeneratorSpec, model: torch.nn.Module, version: int, trainer_state=None) -> None:
-        """Publish the start-up weights and spawn the generation process (returns at once)."""
+    def start(
+        self,
+        spec: GeneratorSpec,
+        model: torch.nn.Module,
+        version: int,
+        trainer_state=None,
+        trainer_threads: int | None = None,
+    ) -> None:
+        """Publish the start-up weights and spawn the generation process (returns at once).
+
+        `trainer_threads`: the trainer's torch threads once the queue is open (see `placement`); restored on close.
+        Under FSDP2 / ZeRO-3, every rank must call it at the same point: the weights are gathered (collectives).
+        """
         settings = self.settings
+        self._trainer_threads = trainer_threads
+        self._threads_before = torch.get_num_threads()
         if self._restored is not None:
             spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))
         self._stream_offset = spec.stream_offset
+        sharding = model_sharding(model)  # FSDP2 / ZeRO-3: whole tensors are gathered on every rank to publish
         frozen, trainable = publishable_parameters(model)
         if not trainable:
             raise ValueError("The model has no trainable parameters to publish to the generator.")
-        self.frozen_store = SharedWeightStore(frozen) if frozen else None
+        self.frozen_store = SharedWeightStore(full_placeholders(frozen)) if frozen else None
         if self.frozen_store is not None:
-            self.frozen_store.publish(frozen, version)
-        self.trainable_store = SharedWeightStore(trainable)
-        self.trainable_store.publish(trainable, version)
+            self.frozen_store.publish(iter_full_parameters(frozen), version)
+        self.trainable_store = SharedWeightStore(full_placeholders(trainable))
+        self.trainable_store.publish(iter_full_parameters(trainable), version)
         self._trainable_names = [name for name, _ in trainable]
+        # A sharded model cannot `generate` on its own: every decoding step would all-gather the parameters, in
+        # lockstep across ranks whose completions end at different lengths (and gathering the whole model for it
+        # defeats the sharding). So under sharding the trainer waits for the generation process instead.
+        generates_while_starting = settings.trainer_generates_while_starting and sharding is None
+        if sharding is not None:
+            logger.info(
+                "trl_async: %s: parameters are gathered on every rank for each publish; the trainer waits for the "
+                "generation process at start-up instead of generating on its sharded model.", sharding
+            )  # fmt: skip
         self.queue = StalenessBoundedQueue(
             max_staleness=settings.max_staleness,
             capacity=settings.queue_capacity,  # None: derived from the staleness bound and the schedule
@@ -121,11 +150,14 @@ class RolloutClient:
             micro_steps_per_version=settings.micro_steps_per_version,
             base_version=version,
             # Opened once the generation process is ready, unless the trainer waits for it from the start.
-            start_index=None if settings.trainer_generates_while_starting else 0,
+            start_index=None if generates_while_starting else 0,
         )
         self.queue.publish(version)
+        if self.queue.is_open:
+            self._split_cores()
         self._write_trainer_state(trainer_state)
         self._next_index = 0
+        self._local_evicted_items = 0
         self._last_stats = self.queue.stats()
         self.process = GenerationProcess(
             spec,
@@ -146,10 +178,16 @@ class RolloutClient:
             settings.weight_sync_steps, time.perf_counter() - started,
         )  # fmt: skip
 
+    def _split_cores(self) -> None:
+        if self._trainer_threads is not None:
+            torch.set_num_threads(self._trainer_threads)
+
     def close(self) -> None:
         """Stop the generation process and free the queue's spool and the stores (idempotent)."""
         if self.process is not None:
             self.process.stop()
+            if self._trainer_threads is not None:
+                torch.set_num_threads(self._threads_before)
         if self.queue is not None:
             self.queue.cleanup()
         self.process = self.queue = self.frozen_store = self.trainable_store = self._local = None
@@ -176,7 +214,8 @@ class RolloutClient:
                 self._next_index = item.index + 1
                 break
             if self.process.ready:
-                self.queue.open(self._next_index)
+                self.queue.open(self._next_index, evicted_before=self._local_evicted_items)
+                self._split_cores()
                 logger.info("trl_async: generator ready after %.1fs; queue opened at batch %d",
                             time.time() - self.process.started_at, self._next_index)  # fmt: skip
                 continue
@@ -186,6 +225,7 @@ class RolloutClient:
             if staleness <= self.settings.max_staleness:
                 break
             self._window["evicted_rows"] += len(batch.payload["rows"])
+            self._local_evicted_items += 1
         self._record(batch)
         return batch
 
@@ -224,7 +264,9 @@ class RolloutClient:
 
     # ------------------------------------------------------------------------------------------------ weights
     def publish(self, model: torch.nn.Module, version: int, trainer_state=None) -> float:
-        """Publish the policy's trainable weights as `version` (every `weight_sync_steps`); returns seconds spent."""
+        """Publish the policy's trainable weights as `version` (every `weight_sync_steps`); returns seconds spent.
+
+        Under FSDP2 / ZeRO-3, every rank must call it for every version (all ranks publish at the same steps)."""
         if self.process is None:
             return 0.0
         self.check_health()
@@ -232,8 +274,8 @@ class RolloutClient:
         if version % self.settings.weight_sync_steps:
             return 0.0
         started = time.perf_counter()
-        parameters = dict(model.named_parameters())
-        self.trainable_store.publish(((name, parameters[name]) for name in self._trainable_names), version)
+        trainable = dict(publishable_parameters(model)[1])
+        self.trainable_store.publish(iter_full_parameters([(n, trainable[n]) for n in self._trainable_names]), version)
         self._write_trainer_state(trainer_state)
         self.queue.publish(version)
         return time.perf_counter() - started

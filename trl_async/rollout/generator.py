@@ -141,16 +141,35 @@ class RolloutProducer:
             return [[{"role": "assistant", "content": text}] for text in texts]
         return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
+    def prepare_rewards_for_dataset(self, max_rows: int = 50_000) -> None:
+        """Prepare the tensor-native rewards' tokenizer-dependent tables (gold answers' token spellings) for the whole
+        dataset at start-up, so that no tokenizer runs at reward time; datasets that are large or iterable are
+        prepared batch by batch instead (see `produce`)."""
+        import datasets
+
+        from trl_async.rewards import prepare_rewards
+
+        dataset = self.spec.dataset
+        if isinstance(dataset, datasets.Dataset) and len(dataset) <= max_rows:
+            names = [c for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")]
+            if names:
+                prepare_rewards([f for f in self.spec.reward_funcs if f is not None], {c: dataset[c] for c in names})
+
     def produce(self, queue_index: int) -> dict:
         """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`)."""
-        from trl_async.rewards import score_completions
+        from trl_async.rewards import prepare_rewards, score_completions
 
         spec = self.spec
         stream_index = spec.stream_offset + queue_index
         rows = self.stream.rows(stream_index)
         prompts = [row["prompt"] for row in rows]
         conversational = is_conversational_prompt(prompts[0])
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        callables = [f for f in spec.reward_funcs if f is not None]
         t0 = time.perf_counter()
+        # Gold answers not prepared at start-up are prepared now, before sampling: the tokenizer never runs at reward
+        # time (a no-op for rows already prepared).
+        prepare_rewards(callables, columns)
         prompt_ids = [list(p) for p in self._tokenize(prompts)]
         generated: GenerationOutput = self.generate(
             prompt_ids, batch_seed(spec.seed, spec.process_index, stream_index)
@@ -158,10 +177,8 @@ class RolloutProducer:
         completion_ids, logprobs = generated.to_lists()
         t1 = time.perf_counter()
         decode = _DecodeOnce(lambda: self._decode(prompt_ids, completion_ids, conversational))
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         extra_logs: dict[str, list] = defaultdict(list)
         logged_metrics: dict[str, list] = defaultdict(list)
-        callables = [f for f in spec.reward_funcs if f is not None]
         rewards = torch.full((len(rows), len(spec.reward_funcs)), float("nan"))
         if callables:
             scored = score_completions(
@@ -315,6 +332,8 @@ def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_sto
         backend.load()
         state_path = os.path.join(rollout_queue.spool_dir, "trainer_state.json")
         producer = RolloutProducer(spec, backend.generate, trainer_state=_trainer_state_reader(state_path))
+        producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
+        control.beat()
         control.set_ready()
         while not control.stop_requested:
             index, min_version = rollout_queue.reserve(on_wait=beat_or_stop)

@@ -244,11 +244,13 @@ class StalenessBoundedQueue:
         return int(self._counters.published)
 
     # ----------------------------------------------------------------------------------------------- consumer
-    def open(self, start_index: int) -> None:
-        """Let the producer start at `start_index` (items before it were produced elsewhere)."""
+    def open(self, start_index: int, evicted_before: int = 0) -> None:
+        """Let the producer start at `start_index` (items before it were produced elsewhere, `evicted_before` of them
+        evicted: the gate's schedule shifts by them as by its own evictions)."""
         c = self._counters
         if c.start_index >= 0:
             raise RuntimeError("the queue is already open")
+        c.evicted_items += evicted_before
         c.consumed = start_index
         # `produced` is the producer's field, but the producer touches nothing before it sees `start_index`, which is
         # written last: this is the one write the consumer makes to it, before the producer can run.
@@ -281,7 +283,10 @@ class StalenessBoundedQueue:
         c = self._counters
         if not self.is_open:
             raise RuntimeError("open() the queue before taking items from it")
-        c.waiting_index, c.waiting_last_use = c.consumed, last_use_version
+        # The version first: the producer pairs `waiting_index` with `waiting_last_use`, so the index must not be
+        # visible with a previous wait's version.
+        c.waiting_last_use = last_use_version
+        c.waiting_index = c.consumed
         poller = _Poller(on_wait, timeout, lambda: "no item arrived in time")
         try:
             while True:
@@ -298,7 +303,7 @@ class StalenessBoundedQueue:
                 if staleness > self.max_staleness:
                     c.evicted_items += 1
                     c.evicted_rows += item.num_rows
-                    c.waiting_index = index + 1  # still waiting, now for the next item, at the same version
+                    c.waiting_index = index + 1  # still waiting, now for the next item, at the same version (set)
                     continue
                 c.waiting_index = -1
                 c.used_items += 1

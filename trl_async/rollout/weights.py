@@ -51,15 +51,22 @@ class SharedWeightStore:
         return self._version.value
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy `named_tensors` (any device) into shared memory and mark them as `version`. Never blocks."""
-        named_tensors = dict(named_tensors)
-        missing = set(self.buffers) - set(named_tensors)
+        """Copy `named_tensors` (any device, any iterable: a gathering generator is consumed one tensor at a time, so
+        a sharded model never has every whole tensor alive at once) into shared memory and mark them as `version`.
+        Never blocks. If a tensor is missing or does not fit, the error leaves the sequence odd: readers keep the
+        previous snapshot's copy they hold, and the next successful publish makes it consistent again."""
+        # Odd: write in progress. `|= 1`, not `+= 1`: a publish that raised mid-copy left the sequence odd, and the
+        # next one must not turn it even while it writes.
+        self._sequence.value |= 1
+        written = set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in self.buffers:
+                    self.buffers[name].copy_(tensor.detach())
+                    written.add(name)
+        missing = set(self.buffers) - written
         if missing:
             raise KeyError(f"publish() is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        self._sequence.value += 1  # odd: write in progress
-        with torch.no_grad():
-            for name, buffer in self.buffers.items():
-                buffer.copy_(named_tensors[name].detach())
         self._version.value = version
         self._sequence.value += 1  # even: consistent
 

@@ -1,0 +1,196 @@
+"""The main job, asynchronous against synchronous generation, side by side in one invocation.
+
+    python benchmarks/bench_main_job.py                          # 3 pairs of the default job (about 30 min on 2 cores)
+    python benchmarks/bench_main_job.py --pairs 1 --max_steps 40 # quick check
+
+Each run is the README's command, `accelerate launch recipes/qwen_math.py` with the default (tiny) config, in a
+fresh process with default thread settings (OMP_NUM_THREADS removed, as a user would run it). The synchronous run
+is the same command with `--async_generation false`: the same config, the same class, TRL's generation in the
+training process. The two runs of a pair follow each other, and the order alternates from pair to pair (async
+first, then sync first, ...) so that slow drifts of a shared machine hit both alike.
+
+Recorded per run: training seconds (`trainer.train()`, from reward_summary.json), wall seconds of the whole
+command, the mean reward of the first and last quarter of steps and their gain, and the held-out greedy accuracy
+before and after (eval.json). Summary: medians per mode, and the paired ratios sync/async of training seconds
+(> 1: asynchronous generation is faster) with their min, median and max. Writes
+benchmarks/results/bench_main_job.json, a PNG of the runs beside it, and copies the first asynchronous run's
+reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture README shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+RECIPE = os.path.join(ROOT, "recipes", "qwen_math.py")
+MODES = {"async": [], "sync": ["--async_generation", "false"]}
+
+
+def run_once(mode: str, output_dir: str, max_steps: int | None) -> dict:
+    """One run of the main job in `mode`; returns its figures (raises with the run's stderr if it fails)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", RECIPE, "--output_dir", output_dir, *MODES[mode]]  # fmt: skip
+    if max_steps is not None:
+        cmd += ["--max_steps", str(max_steps)]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    summary = json.load(open(os.path.join(output_dir, "reward_summary.json")))
+    eval_path = os.path.join(output_dir, "eval.json")
+    results = json.load(open(eval_path)) if os.path.exists(eval_path) else None
+    return {
+        "mode": mode,
+        "train_seconds": summary["seconds"],
+        "wall_seconds": round(wall, 1),
+        "steps": summary["steps"],
+        "reward_first_quarter": summary["first_quarter"],
+        "reward_last_quarter": summary["last_quarter"],
+        "reward_gain": summary["gain"],
+        "accuracy_before": results["before"]["accuracy"] if results else None,
+        "accuracy_after": results["after"]["accuracy"] if results else None,
+        "eval_samples": results["num_samples"] if results else None,
+    }
+
+
+def ratio_stats(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
+
+
+def summarize(runs: list[dict]) -> dict:
+    summary: dict = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in ("train_seconds", "wall_seconds", "reward_gain", "accuracy_before", "accuracy_after")
+            if all(r[key] is not None for r in mine)
+        }
+    pairs = sorted({r["pair"] for r in runs})
+    by_pair = {p: {r["mode"]: r for r in runs if r["pair"] == p} for p in pairs}
+    summary["speedup_train_seconds_sync_over_async"] = ratio_stats(
+        [by_pair[p]["sync"]["train_seconds"] / by_pair[p]["async"]["train_seconds"] for p in pairs]
+    )
+    summary["speedup_wall_seconds_sync_over_async"] = ratio_stats(
+        [by_pair[p]["sync"]["wall_seconds"] / by_pair[p]["async"]["wall_seconds"] for p in pairs]
+    )
+    if all(r["reward_gain"] is not None for r in runs):
+        summary["reward_gain_async_minus_sync"] = ratio_stats(
+            [by_pair[p]["async"]["reward_gain"] - by_pair[p]["sync"]["reward_gain"] for p in pairs]
+        )
+    return summary
+
+
+def print_table(runs: list[dict], summary: dict) -> None:
+    header = f"{'pair':>4} {'mode':>5} {'train s':>8} {'wall s':>7} {'reward q1':>9} {'q4':>6} {'gain':>7} {'acc before':>10} {'after':>6}"
+    print(header)
+    print("-" * len(header))
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in runs:
+        print(f"{r['pair']:>4} {r['mode']:>5} {r['train_seconds']:>8.1f} {r['wall_seconds']:>7.1f} "
+              f"{fmt(r['reward_first_quarter'], '9.3f')} {fmt(r['reward_last_quarter'], '6.3f')} "
+              f"{fmt(r['reward_gain'], '+7.3f')} {fmt(r['accuracy_before'], '10.3f')} {fmt(r['accuracy_after'], '6.3f')}")  # fmt: skip
+    for mode in MODES:
+        s = summary[mode]
+        print(f"median {mode:>5}: training {s['train_seconds']:.1f} s, wall {s['wall_seconds']:.1f} s, reward gain "
+              f"{s.get('reward_gain', float('nan')):+.3f}, accuracy {s.get('accuracy_before', float('nan')):.3f} -> "
+              f"{s.get('accuracy_after', float('nan')):.3f}")  # fmt: skip
+    speed = summary["speedup_train_seconds_sync_over_async"]
+    print(f"training-time ratio sync/async (paired): median {speed['median']:.2f}x "
+          f"(min {speed['min']:.2f}x, max {speed['max']:.2f}x over {len(speed['values'])} pairs)")  # fmt: skip
+
+
+def plot(runs: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    colors = {"async": "tab:blue", "sync": "tab:gray"}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        axes[0].scatter([r["pair"] for r in mine], [r["train_seconds"] for r in mine], color=colors[mode], label=mode)
+        axes[1].scatter(
+            [r["pair"] for r in mine], [r["reward_gain"] or 0 for r in mine], color=colors[mode], label=mode
+        )
+    axes[0].set(xlabel="pair", ylabel="training seconds", title="Training time of the main job")
+    axes[1].set(xlabel="pair", ylabel="reward gain (last - first quarter)", title="Reward gain")
+    for ax in axes:
+        ax.set_xticks(sorted({r["pair"] for r in runs}))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (async + sync), order alternating")
+    parser.add_argument("--max_steps", type=int, default=None, help="shorten every run (default: the job's own)")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "bench_main_job.json"), help="JSON results path")
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be >= 1")
+    runs, picture = [], None
+    with tempfile.TemporaryDirectory(prefix="bench_main_job_") as tmp:
+        for pair in range(args.pairs):
+            order = ["async", "sync"] if pair % 2 == 0 else ["sync", "async"]
+            for position, mode in enumerate(order):
+                output_dir = os.path.join(tmp, f"pair{pair}-{mode}")
+                record = run_once(mode, output_dir, args.max_steps)
+                record.update(pair=pair, position=position)
+                runs.append(record)
+                print(f"pair {pair} {mode}: {record['train_seconds']:.1f} s training, reward gain "
+                      f"{record['reward_gain']}", flush=True)  # fmt: skip
+                full_job = args.max_steps is None  # README shows the default job's picture, not a shortened one
+                if full_job and picture is None and mode == "async":
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    picture = os.path.join(os.path.dirname(os.path.abspath(args.out)), "main_job_reward_accuracy.png")
+                    shutil.copyfile(os.path.join(output_dir, "reward_accuracy.png"), picture)
+    summary = summarize(runs)
+    print_table(runs, summary)
+    result = {
+        "command": "accelerate launch recipes/qwen_math.py [--async_generation false]"
+        + (f" --max_steps {args.max_steps}" if args.max_steps else ""),
+        "pairs": args.pairs,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "note": "shared development machine: other jobs ran at the same time; ratios are paired",
+        },  # fmt: skip
+        "runs": runs,
+        "summary": summary,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    png = os.path.splitext(args.out)[0] + ".png"
+    print(
+        f"wrote {args.out}" + (f" and {png}" if plot(runs, png) else "") + (f"; picture {picture}" if picture else "")
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

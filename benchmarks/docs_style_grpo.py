@@ -1,0 +1,40 @@
+# A GRPO script written the way TRL's documentation writes one: a prompt dataset, a text reward function, a plain
+# GRPOConfig (TRL's defaults except the batch and step counts, and bf16=False for a CPU), a model given by path, no thread settings.
+# `benchmarks/bench_docs_style.py` runs it with TRL's GRPOTrainer and, with only the class name swapped, with
+# AsyncGRPOTrainer. Usage: python docs_style_grpo.py {trl,async} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS]
+import json
+import os
+import sys
+import time
+
+from datasets import load_dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_async import AsyncGRPOTrainer
+
+trainer_name, model_path, data_file, output_dir = sys.argv[1:5]
+max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 120
+dataset = load_dataset("json", data_files=data_file, split="train")
+
+
+def correct_answer(completions, answer, **kwargs):
+    return [
+        float(c[0]["content"].rsplit("####", 1)[-1].strip() == a) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+training_args = GRPOConfig(
+    output_dir=output_dir,
+    per_device_train_batch_size=32,
+    max_steps=max_steps,
+    report_to="none",
+    bf16=False,  # CPU
+)
+trainer_class = GRPOTrainer if trainer_name == "trl" else AsyncGRPOTrainer
+trainer = trainer_class(model=model_path, reward_funcs=correct_answer, args=training_args, train_dataset=dataset)
+start = time.perf_counter()
+trainer.train()
+train_s = time.perf_counter() - start
+
+with open(os.path.join(output_dir, "result.json"), "w") as f:
+    json.dump({"trainer": type(trainer).__name__, "train_s": train_s, "log_history": trainer.state.log_history}, f)

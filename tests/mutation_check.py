@@ -1,0 +1,265 @@
+"""Mutation check: every guarantee the project claims has a test that fails when the guarantee is broken.
+
+    python tests/mutation_check.py              # every mutation (about 15-25 minutes on 2 cores)
+    python tests/mutation_check.py --list       # the mutations and the tests that guard them
+    python tests/mutation_check.py --only eviction_off,seqlock_no_recheck
+
+Each mutation is a small, plausible bug, written as an exact text replacement in one file (the replaced text must occur
+exactly once, so a refactor that removes it fails this script loudly instead of silently testing nothing). For each
+one, the repository is copied to a temporary directory, the mutation applied there, and the tests that guard the
+behaviour are run against the copy. A mutation that leaves its tests green SURVIVES: a missing test. The script exits
+non-zero if any mutation survives. Reading the list below tells what each test is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    guards: tuple[str, ...]  # pytest node ids / files (relative to the repository root)
+    why: str
+    timeout: float | None = None  # seconds; a mutant that hangs its guards past this is counted as killed
+
+
+MUTATIONS = [
+    # --------------------------------------------------------------------------------------- staleness guarantee
+    Mutation(
+        "tag_with_newest_version_at_put",
+        "trl_async/rollout/generator.py",
+        "rollout_queue.put(index, version, payload",
+        "rollout_queue.put(index, trainable_store.version, payload",
+        ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
+        "rows tagged with the newest published version instead of the one that generated them",
+    ),
+    Mutation(
+        "eviction_off",
+        "trl_async/rollout/queue.py",
+        "if staleness > self.max_staleness:",
+        "if False:",
+        (
+            "tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",
+            "tests/test_queue.py",
+        ),  # fmt: skip
+        "stale items are trained on instead of evicted",
+    ),
+    Mutation(
+        "last_use_off_by_one",
+        "trl_async/grpo.py",
+        "return self.state.global_step + (micro_step + group - 1) // a - micro_step // a",
+        "return self.state.global_step - 1 + (micro_step + group - 1) // a - micro_step // a",
+        ("tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",),
+        "the trainer's last-use version is one step early: rows one step too old pass the bound",
+    ),
+    Mutation(
+        "schedule_term_dropped",
+        "trl_async/grpo.py",
+        "return self.state.global_step + (micro_step + group - 1) // a - micro_step // a",
+        "return self.state.global_step",
+        ("tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",),
+        "a batch trained on across several optimizer steps is checked at its first use only",
+    ),
+    Mutation(
+        "gate_open",
+        "trl_async/rollout/queue.py",
+        "and c.published >= min_version:",
+        ":",
+        ("tests/test_queue.py",),
+        "the producer generates without waiting for recent enough weights",
+    ),
+    Mutation(
+        "no_cross_rank_agreement",
+        "trl_async/rollout/queue.py",
+        "staleness = local if agree is None else agree(local)",
+        "staleness = local",
+        ("tests/test_queue.py",),
+        "ranks evict different items, so the batches they train on together no longer belong together",
+    ),
+    # --------------------------------------------------------------------------------------- weights
+    Mutation(
+        "seqlock_no_recheck",
+        "trl_async/rollout/weights.py",
+        "if self._sequence.value == before:",
+        "if True:",
+        ("tests/test_weights.py",),
+        "a reader may apply a half-written mix of two weight versions",
+    ),
+    Mutation(
+        "no_weight_publish",
+        "trl_async/rollout/client.py",
+        "self.trainable_store.publish(((name, parameters[name]) for name in self._trainable_names), version)",
+        "pass",
+        ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
+        "the generator keeps sampling from the start-up weights (its gate then waits forever: a hang is a kill)",
+        timeout=300.0,
+    ),
+    # --------------------------------------------------------------------------------------- importance correction
+    Mutation(
+        "importance_correction_off",
+        "trl_async/grpo.py",
+        "and bool(self.args.vllm_importance_sampling_correction)",
+        "and False",
+        ("tests/test_importance_trainer.py",),
+        "TRL's loss types train on stale rows without the π_old/μ weight",
+    ),
+    Mutation(
+        "importance_weight_inverted",
+        "trl_async/grpo.py",
+        """            old_logps,
+            inputs["sampling_per_token_logps"],""",
+        """            inputs["sampling_per_token_logps"],
+            old_logps,""",
+        ("tests/test_importance_trainer.py",),
+        "the weight is μ/π_old instead of π_old/μ",
+    ),
+    # --------------------------------------------------------------------------------------- behaviour log-probs
+    Mutation(
+        "mu_from_raw_logits",
+        "trl_async/rollout/backends.py",
+        "processors.append(recorder)",
+        "processors.insert(0, recorder)",
+        ("tests/test_backends.py",),
+        "μ recorded before temperature/top-k/top-p: not the distribution that sampled the token",
+    ),
+    Mutation(
+        "seed_ignores_rank",
+        "trl_async/rollout/generator.py",
+        'f"{seed}/{process_index}/{stream_index}"',
+        'f"{seed}/{stream_index}"',
+        ("tests/test_engine.py::test_ranks_sharing_a_group_never_sample_identical_completions",),
+        "two ranks sample identical completions for the halves of one group",
+    ),
+    # --------------------------------------------------------------------------------------- rewards
+    Mutation(
+        "always_decode",
+        "trl_async/rollout/generator.py",
+        "        if spec.decode:\n            decode()",
+        "        decode()",
+        ("tests/test_tensor_rewards_trainer.py",),
+        "completions are decoded although only tensor rewards read them",
+    ),
+    Mutation(
+        "answer_without_number_boundary",
+        "trl_async/rewards/math_answer.py",
+        "return ((found == keys) & ends).any(1)",
+        "return (found == keys).any(1)",
+        ("tests/test_math_answer_reward.py",),
+        "the gold answer 42 matches the start of 421",
+    ),
+    # --------------------------------------------------------------------------------------- M2PO
+    Mutation(
+        "m2po_normalizer_ignores_accumulation",
+        "trl_async/grpo.py",
+        """        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
+        if args.m2po_variant == "m2po":""",
+        """        if args.m2po_variant == "m2po":""",
+        ("tests/test_m2po_trainer.py::test_trainer_m2po_loss_equals_an_independent_computation",),
+        "M2PO's loss is normalized by the generation batch, not by the accumulation window (TRL dapo's normalizer)",
+    ),
+    Mutation(
+        "m2po_paper_without_trust_region",
+        "trl_async/losses.py",
+        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
+        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
+        ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
+        "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
+    ),
+    # --------------------------------------------------------------------------------------- PPO
+    Mutation(
+        "gae_lambda_dropped",
+        "trl_async/ppo_math.py",
+        "running = deltas[..., t] + (gamma * lam) * running",
+        "running = deltas[..., t] + gamma * running",
+        ("tests/test_ppo_math.py",),
+        "GAE ignores λ (Monte-Carlo advantages)",
+    ),
+]
+
+
+def copy_repository(destination: str) -> None:
+    ignore = shutil.ignore_patterns(".git", "venv*", ".venv", "outputs", "__pycache__", ".pytest_cache", "*.egg-info",
+                                    ".hypothesis", "results")  # fmt: skip
+    shutil.copytree(ROOT, destination, ignore=ignore, dirs_exist_ok=True)
+
+
+def apply(mutation: Mutation, root: str) -> None:
+    path = os.path.join(root, mutation.path)
+    with open(path) as f:
+        text = f.read()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(f"mutation {mutation.name}: the text to replace occurs {count} times in {mutation.path}")
+    text = text.replace(mutation.old, mutation.new)
+    compile(text, path, "exec")  # a mutant must be valid Python: a syntax error would 'kill' it trivially
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def run_guards(mutation: Mutation, root: str, timeout: float) -> tuple[bool, str]:
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+           *mutation.guards]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, "timed out (counted as killed: the mutant hangs)"
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    if proc.returncode in (2, 3, 4, 5):  # interrupted, internal error, usage error, no tests collected
+        raise SystemExit(f"mutation {mutation.name}: pytest could not run its guards ({tail[0]})")
+    return proc.returncode == 1, tail[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--only", help="comma-separated mutation names")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation")
+    args = parser.parse_args(argv)
+    mutations = MUTATIONS
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {m.name for m in MUTATIONS}
+        if unknown:
+            raise SystemExit(f"unknown mutations: {sorted(unknown)}")
+        mutations = [m for m in MUTATIONS if m.name in wanted]
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}: {m.why}\n    {m.path}; guarded by {', '.join(m.guards)}")
+        return 0
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="trl_async-mutants-") as pristine:
+        copy_repository(pristine)
+        for m in mutations:
+            start = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as root:
+                shutil.copytree(pristine, root, dirs_exist_ok=True)
+                apply(m, root)
+                killed, tail = run_guards(m, root, m.timeout or args.timeout)
+            verdict = "killed" if killed else "SURVIVED"
+            print(f"{verdict:8s} {m.name:34s} {time.perf_counter() - start:6.0f}s  {tail}", flush=True)
+            if not killed:
+                survivors.append(m.name)
+    print(f"\n{len(mutations) - len(survivors)}/{len(mutations)} mutations killed")
+    if survivors:
+        print("surviving (missing tests): " + ", ".join(survivors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
