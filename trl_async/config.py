@@ -385,7 +385,7 @@ class AsyncPPOConfig(AsyncGRPOConfig):
         metadata={
             "help": "Policy loss. 'ppo': PPO's clipped surrogate (Schulman et al. 2017) with the truncated importance "
             "weight π_old/μ against the behaviour policy for stale rows. 'm2po': M2PO's second-moment trust region "
-            "against μ (Zheng et al. 2025; m2po_threshold, m2po_aligned_only)."
+            "against μ (Zheng et al. 2025; m2po_threshold, m2po_rule, per micro-batch)."
         },
     )
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
@@ -489,8 +489,13 @@ def validate_ppo_fields(args) -> None:
     )
     if args.loss_type == "m2po":
         _check(
-            args.m2po_variant == "paper",
-            f"m2po_variant={args.m2po_variant!r} is not available with AsyncPPOConfig; use m2po_variant='paper'.",
+            args.m2po_variant == "m2po",
+            f"m2po_variant={args.m2po_variant!r} is not available with AsyncPPOConfig; use m2po_variant='m2po' "
+            "(the published M2PO; m2po_rule picks its rule).",
+        )
+        _check(
+            args.m2po_scope == "micro_batch",
+            "AsyncPPOConfig selects M2PO tokens per micro-batch; use m2po_scope='micro_batch'.",
         )
     unsupported = {
         "top_entropy_quantile < 1": args.top_entropy_quantile < 1.0,

@@ -537,16 +537,20 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             loss = loss + self.beta * (per_token_kl * mask).sum() / normalizer
             metrics["kl"].append(self._global_masked_mean(per_token_kl, mask))
         metrics["entropy"].append(self._global_masked_mean(entropies, mask))
-        # Token-weighted over the logging window and every rank (see `log`): sums here, ratios when logged.
+        self._record_m2po_stats(mode, stats)
+        return loss
+
+    def _record_m2po_stats(self, mode: str, stats: dict) -> None:
+        """Adds one micro-batch's M2PO sums to the logging window (token-weighted over the window and every rank; see
+        `log`: sums here, ratios when logged), and warns when M2PO masked every token of it."""
         sums = self.accelerator.reduce(stats["sums"].detach().to(torch.float64), reduction="sum")
         self._m2po_window[mode] = sums if self._m2po_window.get(mode) is None else self._m2po_window[mode] + sums
         if sums[-1] > 0:
             logger.warning(
                 "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
                 "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
-                args.m2po_threshold,
+                self.args.m2po_threshold,
             )
-        return loss
 
     def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
         totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum().float()]), reduction="sum")

@@ -87,30 +87,6 @@ def ppo_targets(
     return PPOTargets(advantages=advantages, returns=returns, rewards=shaped.rewards, kl=shaped.kl)
 
 
-def m2po_policy_loss(
-    per_token_logps: Tensor,
-    behaviour_logps: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    threshold: float,
-    aligned_only: bool,
-    normalizer: Tensor | float,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's `loss_type="m2po"` policy term: the only call of `trl_async.losses.m2po_loss` in this module (its
-    signature is being changed on another branch; adapt it here). Returns (loss, stats) as `m2po_loss` does."""
-    return m2po_loss(
-        per_token_logps,
-        behaviour_logps,
-        advantages,
-        mask,
-        threshold=threshold,
-        normalizer=normalizer,
-        aligned_only=aligned_only,
-    )
-
-
-# ------------------------------------------------------------------------------------------------------- critics
 class PerTokenValueModel(nn.Module):
     """A sequence-classification model with `num_labels=1`, read at every position: V(s) = score(h_s), where h_s is
     its backbone's last hidden state (as TRL's former PPOTrainer read its `value_model`). Its own weights."""
@@ -553,20 +529,22 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
         extra = {}
         if self.loss_type == "m2po":
             behaviour = inputs.get("sampling_per_token_logps", old_logps)
-            policy_loss, stats = m2po_policy_loss(
+            policy_loss, stats = m2po_loss(
                 per_token_logps,
                 behaviour,
                 advantages,
                 mask,
                 threshold=args.m2po_threshold,
-                aligned_only=args.m2po_aligned_only,
                 normalizer=normalizer,
+                rule=args.m2po_rule,
+                clip_floor_low=args.m2po_clip_floor_low,
+                clip_floor_high=args.m2po_clip_floor_high,
             )
+            self._record_m2po_stats(mode, stats)  # `m2po/*`, token-weighted over the logging window, as in GRPO
             ratio = torch.exp(per_token_logps.detach() - old_logps)
             clipfrac = (((ratio < 1 - args.cliprange) | (ratio > 1 + args.cliprange)) & mask).float().sum()
             clipfrac = clipfrac / mask.sum().clamp(min=1)
             approx_kl = (per_token_kl(old_logps, per_token_logps.detach(), mask, "k3")).sum() / mask.sum().clamp(min=1)
-            extra = {f"m2po/{key}": stats[key].float() for key in ("masked_fraction", "m2_before", "m2_after")}
         else:
             policy = ppo_policy_loss(
                 per_token_logps,
