@@ -1,6 +1,8 @@
-"""Math RL with trl_async: GRPO (or M2PO) from a prompt dataset and a verifiable reward, evaluated before and after.
+"""Math RL with trl_async: GRPO (or M2PO, or PPO) from a prompt dataset and a verifiable reward, evaluated before and
+after.
 
     accelerate launch recipes/qwen_math.py                                   # bundled tiny model, offline, CPU
+    accelerate launch recipes/qwen_math.py --config recipes/configs/tiny_ppo.yaml   # PPO with a learned critic
     python recipes/qwen_math.py                                              # same, one process
     accelerate launch recipes/qwen_math.py --config recipes/configs/qwen2.5-0.5b-gsm8k.yaml
     ... --push_to_hub true --hub_model_id you/name                           # then push model/adapter + card
@@ -9,7 +11,7 @@ What a run leaves in `output_dir`: the model (or LoRA adapter) and tokenizer, `e
 held-out problems before and after training, with sample size and 95% intervals), `reward_summary.json`,
 `trainer_state.json`, `reward_accuracy.png` (needs matplotlib) and the model card `README.md`.
 
-Any field of `RecipeArguments`, `AsyncGRPOConfig` or TRL's `ModelConfig` can be set in the YAML file or on the
+Any field of `RecipeArguments`, `AsyncGRPOConfig` (`AsyncPPOConfig` with `trainer: ppo`) or TRL's `ModelConfig` can be set in the YAML file or on the
 command line (`--learning_rate 1e-4`). Unknown YAML keys are an error that names them.
 """
 
@@ -27,7 +29,7 @@ if RECIPE_DIR not in sys.path:
 DEFAULT_CONFIG = os.path.join(RECIPE_DIR, "configs", "tiny.yaml")
 BUNDLED_MODEL = "bundled:tiny_qwen2"
 REWARDS = ("tensor", "text")
-TRAINERS = ("async", "trl")
+TRAINERS = ("async", "trl", "ppo")
 
 
 @dataclass
@@ -69,7 +71,8 @@ class RecipeArguments:
         metadata={
             "help": "'async': AsyncGRPOTrainer as configured. 'trl': the synchronous baseline of the same config "
             "(the same class with async_generation=False: TRL's own generation and training loop; loss_type='m2po' "
-            "keeps working). --async_generation false does the same."
+            "keeps working). --async_generation false does the same. 'ppo': AsyncPPOTrainer, PPO with a learned "
+            "critic and GAE; the config is then an AsyncPPOConfig (vf_coef, cliprange, gamma, lam, kl_coef, ...)."
         },
     )
     eval_accuracy: bool = field(
@@ -189,17 +192,41 @@ def dataset_hub_id(name: str | None) -> str | None:
     return name if name not in (None, "arithmetic") and not looks_like_local_path(name) else None
 
 
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of `--name value` or `--name=value` in argv (the last one wins, as in argparse), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def requested_trainer(argv: list[str]) -> str:
+    """`trainer` from the command line, else from the YAML config: it picks the config class before parsing, since
+    PPO's fields (vf_coef, ...) are unknown to AsyncGRPOConfig and would be refused as unknown keys."""
+    trainer = _option(argv, "trainer")
+    if trainer is None:
+        import yaml
+
+        with open(_option(argv, "config") or DEFAULT_CONFIG) as f:
+            trainer = (yaml.safe_load(f) or {}).get("trainer", RecipeArguments.trainer)
+    return trainer
+
+
 def parse_args(argv: list[str]):
     import torch
     from trl import ModelConfig, TrlParser
 
-    from trl_async import AsyncGRPOConfig
+    from trl_async import AsyncGRPOConfig, AsyncPPOConfig
 
     if not any(a == "--config" or a.startswith("--config=") for a in argv):
         argv = ["--config", DEFAULT_CONFIG, *argv]
     if not torch.cuda.is_available() and not any(a.startswith("--bf16") for a in argv):
         argv = [*argv, "--bf16", "false"]  # configs written for GPUs ask for bf16, which CPUs here cannot do
-    parser = TrlParser((RecipeArguments, AsyncGRPOConfig, ModelConfig))
+    config_class = AsyncPPOConfig if requested_trainer(argv) == "ppo" else AsyncGRPOConfig
+    parser = TrlParser((RecipeArguments, config_class, ModelConfig))
     recipe, training_args, model_args = parser.parse_args_and_config(args=argv)
     if recipe.trainer == "trl":
         # The A/B baseline: the same config through TRL's synchronous generation. Switching off only relaxes what
@@ -246,7 +273,7 @@ def main(argv: list[str] | None = None):
     from accelerate import PartialState
     from trl import get_peft_config
 
-    from trl_async import AsyncGRPOTrainer
+    from trl_async import AsyncGRPOTrainer, AsyncPPOTrainer
     from trl_async.hub import (
         PLOT_FILE,
         read_eval_results,
@@ -282,7 +309,8 @@ def main(argv: list[str] | None = None):
             print(f"[qwen_math] greedy accuracy before training: {before['accuracy']:.3f} ({before['correct']}/"
                   f"{before['total']} held-out problems of {eval_name}, {before['seconds']:.0f}s)", flush=True)  # fmt: skip
 
-    trainer = AsyncGRPOTrainer(
+    trainer_class = AsyncPPOTrainer if recipe.trainer == "ppo" else AsyncGRPOTrainer
+    trainer = trainer_class(
         model=model,
         reward_funcs=make_rewards(recipe, tokenizer),
         args=training_args,
@@ -295,7 +323,7 @@ def main(argv: list[str] | None = None):
     elapsed = time.perf_counter() - start
 
     output_dir = training_args.output_dir
-    label = "AsyncGRPOTrainer" + ("" if training_args.async_generation else " (synchronous generation)")
+    label = trainer_class.__name__ + ("" if training_args.async_generation else " (synchronous generation)")
     main_process = trainer.accelerator.is_main_process
     after = None
     if eval_dataset is not None:

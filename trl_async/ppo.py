@@ -238,6 +238,7 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
     """
 
     _tag_names = ["trl", "ppo", "trl-async"]
+    model_card_kind = "ppo"  # the card: trl_async.hub.ModelCardMixin
     _name = "PPO"
     _paper = {
         "title": "Proximal Policy Optimization Algorithms",
