@@ -12,7 +12,8 @@ all alike:
 * `trl`: TRL's GRPOTrainer (synchronous: generate, then train), the baseline every ratio is taken against;
 * `async-dapo`: AsyncGRPOTrainer with TRL's default loss (dapo) and its importance correction, default staleness;
 * `async-m2po`: AsyncGRPOTrainer with loss_type m2po, default staleness;
-* `async-dapo-S2`: dapo with max_staleness=2.
+* `async-dapo-S2`: dapo with max_staleness=2;
+* `async-vllm` (only when asked for, with `--vllm-python`): dapo with the vLLM backend, in the vLLM environment.
 
 Headline: completions left free (the tiny model stops after ~20 tokens; the cap is TRL's default), end to end: the
 seconds of `trainer.train()`, start-up of the generation process included. Ratios are paired per repeat (trl seconds
@@ -43,7 +44,12 @@ CONTENDERS = {
     "async-dapo": {"trainer": "async", "loss_type": "dapo"},
     "async-m2po": {"trainer": "async", "loss_type": "m2po"},
     "async-dapo-S2": {"trainer": "async", "loss_type": "dapo", "max_staleness": 2},
+    # The vLLM backend (colocated engine in the generation process) beside the hf one. Its runs use the interpreter
+    # of the vLLM environment (--vllm-python; vLLM pins other transformers/torch builds than the main venv), so they
+    # run only when asked for: --contenders trl,async-dapo,async-vllm --vllm-python /work/venv-vllm/bin/python.
+    "async-vllm": {"trainer": "async", "loss_type": "dapo", "generation_backend": "vllm"},
 }
+DEFAULT_CONTENDERS = ("trl", "async-dapo", "async-m2po", "async-dapo-S2")
 REGIMES = {"free": {"force_length": False}, "forced64": {"force_length": True, "completion_length": 64}}
 
 
@@ -66,8 +72,9 @@ def run_worker(config: dict) -> dict:
 
     length = config.get("completion_length")
     optional = {"max_completion_length": length} if length else {}  # free: TRL's default cap
-    if "max_staleness" in config:
-        optional["max_staleness"] = config["max_staleness"]
+    for name in ("max_staleness", "generation_backend"):
+        if name in config:
+            optional[name] = config[name]
     args = AsyncGRPOConfig(
         output_dir=config["output_dir"],
         max_steps=config["steps"],
@@ -158,11 +165,13 @@ def run_probe(config: dict) -> dict:
     return {"generate_s": statistics.median(gen_times), "train_s": statistics.median(train_times)}
 
 
-def spawn(kind: str, config: dict) -> dict:
+def spawn(kind: str, config: dict, python: str = sys.executable) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env["HF_HUB_OFFLINE"] = "1"
+    if python != sys.executable:  # another environment (vLLM's): this checkout's trl_async comes first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--{kind}", json.dumps(config), "--out", out.name]
+        cmd = [python, os.path.abspath(__file__), f"--{kind}", json.dumps(config), "--out", out.name]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
@@ -209,7 +218,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--regimes", default=",".join(REGIMES), help="free (headline), forced64")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=", ".join(CONTENDERS))
+    parser.add_argument(
+        "--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="interpreter of the vLLM environment (async-vllm)"
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, free length only")
     parser.add_argument("--tag", default="", help="suffix of the output files")
@@ -227,6 +239,11 @@ def main():
     names = args.contenders.split(",")
     if names[0] != "trl":
         raise SystemExit("the first contender must be trl (the baseline of every ratio)")
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"unknown contenders {unknown}; choose from {list(CONTENDERS)}")
+    if any(CONTENDERS[n].get("generation_backend") == "vllm" for n in names) and not args.vllm_python:
+        raise SystemExit("async-vllm runs in the vLLM environment: pass --vllm-python (see docs/vllm.md)")
     warmup = min(5, args.steps // 2)
     os.makedirs(RESULTS, exist_ok=True)
     report = {"steps": args.steps, "repeats": args.repeats, "learning_rate": args.learning_rate, "regimes": {}}
@@ -238,7 +255,8 @@ def main():
             for name in names:
                 config = {**base, **CONTENDERS[name], "seed": repeat, "output_dir": tempfile.mkdtemp()}
                 t = time.time()
-                run = spawn("worker", config)
+                vllm = CONTENDERS[name].get("generation_backend") == "vllm"
+                run = spawn("worker", config, args.vllm_python if vllm else sys.executable)
                 run["summary"] = summarize(run, warmup)
                 runs[name].append(run)
                 s = run["summary"]
