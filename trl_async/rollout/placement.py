@@ -4,9 +4,9 @@ On a GPU the answer is explicit: `generation_device` (default: the rank's own de
 generation process share the rank's cores. Both run at once once the queue is open, so oversubscribing the cores (each
 process using all of them) makes both slower: OpenMP threads spin while their cores run the other process. The cores
 are split instead: the generator gets `generation_num_threads` (default half, at least 1) and the trainer the rest.
-While the generation process is still starting, the trainer produces batches itself and keeps every core; the split
-applies from the moment the queue opens. A user's `OMP_NUM_THREADS` is respected (it caps the generator and leaves the
-trainer's count alone).
+The split applies from the spawn on: while the generation process starts, its imports and model build keep a core
+busy (and the trainer produces the first batches itself). A user's `OMP_NUM_THREADS` is respected (it caps the
+generator and leaves the trainer's count alone).
 """
 
 from __future__ import annotations
