@@ -136,6 +136,17 @@ MUTATIONS = [
         "μ recorded before temperature/top-k/top-p: not the distribution that sampled the token",
     ),
     Mutation(
+        "importance_against_processed_mu",
+        "trl_async/rollout/backends.py",
+        "return self.policy_logprobs if self.policy_logprobs is not None else self.logprobs",
+        "return self.logprobs",
+        (
+            "tests/test_importance_trainer.py::test_sampling_warpers_leave_the_weight_at_one_at_staleness_zero",
+            "tests/test_backends.py::test_behaviour_logprobs_equal_the_processed_distribution",
+        ),
+        "the importance weight compares π_θ with the warped μ: under top-k it is far from 1 even at staleness 0",
+    ),
+    Mutation(
         "seed_ignores_rank",
         "trl_async/rollout/generator.py",
         'f"{seed}/{process_index}/{stream_index}"',
