@@ -101,7 +101,7 @@ MUTATIONS = [
     Mutation(
         "no_weight_publish",
         "trl_async/rollout/client.py",
-        "self.trainable_store.publish(((name, parameters[name]) for name in self._trainable_names), version)",
+        "self.trainable_store.publish(iter_full_parameters([(n, trainable[n]) for n in self._trainable_names]), version)",
         "pass",
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
         "the generator keeps sampling from the start-up weights (its gate then waits forever: a hang is a kill)",
