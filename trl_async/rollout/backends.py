@@ -99,9 +99,11 @@ def first_eos_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> to
 
 
 class _SampledTokenLogprobs(LogitsProcessor):
-    """Records log μ(y_t) of each sampled token, from the fully processed scores that `generate` samples from.
+    """Records log μ(y_t) of each sampled token, from the scores it sees.
 
-    It must run LAST (after the warpers; see `_recording_behaviour_logprobs`) and returns the scores unchanged. At step t
+    The sampling recorder runs LAST (after the warpers; see `_recording_behaviour_logprobs`): it sees the fully
+    processed scores `generate` samples from. A second one, with `temperature`, runs FIRST, on the raw logits: it
+    records the trainer's parametrization (`GenerationOutput.importance_logprobs`). Both return the scores unchanged. At step t
     it keeps a reference to step t's processed scores (which `generate` holds anyway until step t+1) and their
     log-normalizer; at step t+1 the sampled token y_t is the last column of `input_ids`, and
     log μ(y_t) = score_t[y_t] − logsumexp(score_t). Memory: one (B,) vector per step, never a (B, L, V) stack.
