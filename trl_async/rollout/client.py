@@ -115,7 +115,7 @@ class RolloutClient:
     ) -> None:
         """Publish the start-up weights and spawn the generation process (returns at once).
 
-        `trainer_threads`: the trainer's torch threads once the queue is open (see `placement`); restored on close.
+        `trainer_threads`: the trainer's torch threads from the generator's start (see `placement`); restored on close.
         Under FSDP2 / ZeRO-3, every rank must call it at the same point: the weights are gathered (collectives).
         """
         settings = self.settings

@@ -21,7 +21,7 @@ import torch
 class Placement:
     device: str  # the generation process's device
     generator_threads: int
-    trainer_threads: int | None  # the trainer's torch threads once the queue is open; None: leave them as they are
+    trainer_threads: int | None  # the trainer's torch threads while the generator runs; None: leave them as they are
 
 
 def rank_cores(local_world_size: int) -> int:
