@@ -199,6 +199,39 @@ MUTATIONS = [
         ("tests/test_ppo_math.py",),
         "GAE ignores λ (Monte-Carlo advantages)",
     ),
+    # --------------------------------------------------------------------------------------- speed, same numbers
+    Mutation(
+        "shared_prompt_segments_see_each_other",
+        "trl_async/shared_prompt.py",
+        "same_or_shared = (segment.unsqueeze(2) == segment.unsqueeze(1)) | (segment.unsqueeze(1) == -1)",
+        "same_or_shared = torch.ones_like(segment.unsqueeze(2) == segment.unsqueeze(1))",
+        ("tests/test_shared_prompt.py",),
+        "a packed completion attends to the other completions of its group: log-probs no longer TRL's",
+    ),
+    Mutation(
+        "shared_prompt_positions_restart",
+        "trl_async/shared_prompt.py",
+        "positions[rows, columns] = torch.arange(P - 1, width, device=device)",
+        "positions[rows, columns] = torch.arange(0, width - P + 1, device=device)",
+        ("tests/test_shared_prompt.py",),
+        "packed completions get positions counted from their segment, not from their row",
+    ),
+    Mutation(
+        "lending_ignores_the_other_side",
+        "trl_async/rollout/cores.py",
+        "return self.cores if self._waiting[1 - side] else self.shares[side]",
+        "return self.cores if self._waiting[side] else self.shares[side]",
+        ("tests/test_cores.py",),
+        "a process takes every core when it waits itself, not when the other one does",
+    ),
+    Mutation(
+        "lending_misses_the_backward",
+        "trl_async/rollout/cores.py",
+        "tensor.register_hook(before_backward)",
+        "tensor.register_hook(lambda grad: None)",
+        ("tests/test_cores.py::test_the_trainer_computes_on_every_core_exactly_while_the_generator_waits",),
+        "the backward runs on the thread count the forward left, whatever the generator does meanwhile",
+    ),
 ]
 
 

@@ -182,8 +182,8 @@ class RaiseAtStep(TrainerCallback):
             raise self.error
 
 
-def _generator_pid(trainer):
-    return trainer._rollout.process.pid if trainer._rollout.process is not None else None
+def _generator_handle(trainer):
+    return trainer._rollout.process
 
 
 @pytest.mark.parametrize("error", [None, KeyboardInterrupt(), RuntimeError("boom in a callback")])
@@ -192,19 +192,20 @@ def test_generator_is_stopped_on_every_exit_path(tmp_path, dataset, tokenizer, e
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    pids = []
-    trainer.add_callback(type("Spy", (TrainerCallback,), {"on_step_end": lambda s, *a, **k: pids.append(
-        _generator_pid(trainer))})())  # fmt: skip
+    handles = []
+    trainer.add_callback(type("Spy", (TrainerCallback,), {"on_step_end": lambda s, *a, **k: handles.append(
+        _generator_handle(trainer))})())  # fmt: skip
     if error is not None:
         trainer.add_callback(RaiseAtStep(2, error))
         with pytest.raises(type(error)):
             trainer.train()
     else:
         trainer.train()
-    pids = [p for p in pids if p is not None]
-    assert pids and len(set(pids)) == 1
+    handles = [h for h in handles if h is not None]
+    assert handles and len(set(map(id, handles))) == 1
     assert trainer._rollout.process is None
-    assert pid_is_gone(pids[0])
+    assert handles[0].pid is not None  # launched (`close` waits for a launch in progress), then stopped
+    assert pid_is_gone(handles[0].pid)
 
 
 def failing_reward(completions, **kwargs):

@@ -88,6 +88,15 @@ class AsyncGRPOConfig(GRPOConfig):
             "1); when both processes compute on the CPU, the trainer keeps the other half."
         },
     )
+    lend_idle_cores: bool = field(
+        default=True,
+        metadata={
+            "help": "When the trainer and the generation process share a rank's CPU cores (both on CPU, "
+            "OMP_NUM_THREADS unset), lend a waiting process's share to the other: the trainer computes on every core "
+            "while the generator waits at the staleness gate, the generator while the trainer waits on the queue "
+            "(see trl_async/rollout/cores.py). False: each keeps its fixed share. Ignored with the vLLM backend."
+        },
+    )
     trainer_generates_while_starting: bool = field(
         default=True,
         metadata={
@@ -107,6 +116,20 @@ class AsyncGRPOConfig(GRPOConfig):
         metadata={
             "help": "Seconds without any sign of progress from the generation process after which the trainer "
             "stops with an error instead of waiting forever. The generator beats at every generated token."
+        },
+    )
+
+    # --- training forward --------------------------------------------------------------------------------------
+    shared_prompt_forward: str = field(
+        default="auto",
+        metadata={
+            "help": "Compute each prompt once per group in the training forward instead of once per completion "
+            "(trl_async/shared_prompt.py): the rows of a group are packed into one sequence, each completion "
+            "attending to the shared prompt and to itself, with the log-probs and gradients of TRL's forward. "
+            "'auto': on when the trainer computes on the CPU, where the forward's cost is its tokens (on a GPU the "
+            "dense mask it needs keeps attention off the fastest kernels; not measured there). 'on': wherever "
+            "possible. 'off': TRL's forward. Needs sdpa or eager attention and a text-only batch; otherwise, or when "
+            "packing saves under 20% of the tokens, TRL's forward runs."
         },
     )
 
@@ -241,6 +264,10 @@ def validate_async_fields(args) -> None:
         args.generation_num_threads is None
         or (isinstance(args.generation_num_threads, int) and args.generation_num_threads >= 1),
         f"generation_num_threads must be None (auto) or an integer >= 1, got {args.generation_num_threads!r}.",
+    )
+    _check(
+        args.shared_prompt_forward in ("auto", "on", "off"),
+        f"shared_prompt_forward must be 'auto', 'on' or 'off', got {args.shared_prompt_forward!r}.",
     )
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)

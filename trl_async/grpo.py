@@ -39,8 +39,10 @@ from .losses import m2po_loss, m2po_metrics, m2po_select_global, reference_m2po_
 from .rewards import is_tensor_reward
 from .rollout import GeneratorSpec, ModelSpec
 from .rollout.client import RolloutClient, RolloutSettings
+from .rollout.generator import warm_up_generator_start
 from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
+from .shared_prompt import pack_prompt_groups
 from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                 rollout_func=given.get("rollout_func"),
                 environment_factory=given.get("environment_factory"),
             )
+            if args.generation_backend == "hf":  # the generation process's imports, while TRL builds the trainer
+                warm_up_generator_start()
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._rollout = RolloutClient(
@@ -176,6 +180,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             self.args.generation_num_threads,
             rank_cores(local_world),
             os.environ.get("OMP_NUM_THREADS"),
+            lend_idle_cores=self.args.lend_idle_cores,
         )
 
     def _generator_spec(self, placement: Placement) -> GeneratorSpec:
@@ -319,7 +324,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                 self.accelerator.unwrap_model(self.model),
                 version=self.state.global_step,
                 trainer_state=self.state,
-                trainer_threads=placement.trainer_threads,
+                placement=placement,
             )
         batch = self._rollout.next_batch(
             self._last_use_version(), self.accelerator.unwrap_model(self.model), current_version=self.state.global_step
@@ -445,6 +450,64 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
             metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
             metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(changed.mean().item())
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal_inputs,
+    ):
+        """Replaces TRL's forward, for a text batch whose rows share prompts (GRPO's groups), by one forward per
+        prompt group (`shared_prompt.py`: the prompt is computed once, not `num_generations` times; same log-probs and
+        gradients). It calls the model exactly as TRL does (fused LM head, labels, autocast), with the packed rows.
+        Otherwise (`shared_prompt_forward`, multimodal inputs, an MoE load-balancing loss, an attention kernel that
+        takes no dense mask, or too small a saving) it is `super()`."""
+        packing = self._shared_prompt_forward(model)
+        if packing is None or compute_aux_loss or any(v is not None for v in multimodal_inputs.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal_inputs,
+            )  # fmt: skip
+        attn_implementation, dtype = packing
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):  # TRL's chunks, each packed on its own
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            packed = pack_prompt_groups(ids, mask, logits_to_keep)
+            if packed is None:
+                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                )
+            else:
+                with self.accelerator.autocast():
+                    outputs = model(
+                        input_ids=packed.input_ids,
+                        attention_mask=packed.attention_mask(attn_implementation, dtype),
+                        position_ids=packed.position_ids,
+                        labels=packed.labels,
+                        fused_lm_head=True,
+                    )
+                logps = packed.unpack(outputs.log_probs)
+                entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+        return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None, None
+
+    def _shared_prompt_forward(self, model) -> tuple[str, torch.dtype] | None:
+        """(attention implementation, dtype) when the packed forward applies to `model`, else None."""
+        mode = async_field(self.args, "shared_prompt_forward")
+        if mode == "off" or (mode == "auto" and self.accelerator.device.type != "cpu"):
+            return None
+        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        attn_implementation = getattr(config, "_attn_implementation", None)
+        if attn_implementation not in ("sdpa", "eager") or config.get_text_config() is not config:
+            return None  # flash / flex kernels take no dense mask; a vision-language model's inputs are not all text
+        return attn_implementation, next(model.parameters()).dtype
 
     @contextlib.contextmanager
     def _observe_policy_logps(self, observe):
@@ -622,6 +685,8 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         metrics["async/generator_wait_s"] = [total["generator_wait_s"] / num_ranks]
         metrics["async/trainer_wait_s"] = [total["trainer_wait_s"] / num_ranks]
         metrics["async/trainer_generated_batches"] = [total["trainer_batches"] / num_ranks]
+        if total["lending_calls"]:  # CPU core lending (rollout/cores.py): share of layer passes on every core
+            metrics["async/trainer_lent_cores_fraction"] = [total["lent_calls"] / total["lending_calls"]]
 
     def _log_completion_lengths(self, prompt_ids: list, completion_ids: list) -> None:
         # The completion metrics of TRL's `_generate`, for rows that did not go through it.

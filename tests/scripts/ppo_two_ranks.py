@@ -29,8 +29,8 @@ def digit_share(completions, **kwargs):
 class RecordingTrainer(AsyncPPOTrainer):
     def _compute_loss(self, model, inputs):
         self.rows_per_step.append(int(inputs["completion_ids"].size(0)))
-        if self._rollout.process is not None:
-            self.generator_pid = self._rollout.process.pid
+        if self._rollout.process is not None:  # the process handle: its pid is known once it is launched
+            self.generator = self._rollout.process
         return super()._compute_loss(model, inputs)
 
 
@@ -67,7 +67,7 @@ def main():
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    trainer.rows_per_step, trainer.generator_pid = [], None
+    trainer.rows_per_step, trainer.generator = [], None
     initial_policy, initial_critic = checksum(trainer.model.parameters()), checksum(trainer.critic.parameters())
     trainer.train()
     history = trainer.state.log_history
@@ -75,7 +75,7 @@ def main():
         "process_index": trainer.accelerator.process_index,
         "num_processes": trainer.accelerator.num_processes,
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        "generator_pid": trainer.generator_pid,
+        "generator_pid": trainer.generator.pid if trainer.generator is not None else None,  # launched by now
         "rows_per_step": trainer.rows_per_step,
         "policy_checksum": checksum(trainer.model.parameters()),
         "initial_policy_checksum": initial_policy,

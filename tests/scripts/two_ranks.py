@@ -22,8 +22,8 @@ class RecordingTrainer(AsyncGRPOTrainer):
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
-        if self._rollout is not None:
-            self.generator_pids.add(self._rollout.process.pid)
+        if self._rollout is not None:  # the process handle: its pid is known once it is launched
+            self.generator_handles.add(self._rollout.process)
         return out
 
 
@@ -57,7 +57,7 @@ def main():
         train_dataset=make_arithmetic_dataset(num_train=128, num_test=8)["train"],
         processing_class=tokenizer,
     )
-    trainer.rows_per_step, trainer.generator_pids, trainer.max_staleness_seen = [], set(), 0
+    trainer.rows_per_step, trainer.generator_handles, trainer.max_staleness_seen = [], set(), 0
     initial_checksum = parameter_checksum(trainer.model)
     trainer.train()
     # Parameters must have moved and still agree across ranks (DDP really synchronised gradients).
@@ -67,7 +67,7 @@ def main():
         "num_processes": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        "generator_pids": sorted(trainer.generator_pids),
+        "generator_pids": sorted(h.pid for h in trainer.generator_handles),  # launched by now (`close` waits)
         "rows_per_step": trainer.rows_per_step,
         "max_staleness_seen": trainer.max_staleness_seen,
         "param_checksum": checksum,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -32,8 +34,10 @@ from collections.abc import Callable
 import torch
 
 from .backends import generate_with_behaviour_logprobs, generation_config_for_rollouts
+from .cores import TRAINER, CoreLending
 from .gather import clean_parameter_name, full_placeholders, iter_full_parameters, model_sharding
-from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer
+from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, default_start_method
+from .placement import Placement
 from .queue import StalenessBoundedQueue
 from .weights import SharedWeightStore
 
@@ -94,6 +98,9 @@ class RolloutClient:
         self._local_trainer_state = None
         self._trainer_threads = None
         self._threads_before = torch.get_num_threads()
+        self._lending: CoreLending | None = None
+        self._lending_hooks: list = []
+        self._lending_counts = (0, 0)
         self.current: RolloutBatch | None = None  # the batch TRL's scoring code is turning into a batch dict
 
     @property
@@ -111,16 +118,26 @@ class RolloutClient:
         model: torch.nn.Module,
         version: int,
         trainer_state=None,
-        trainer_threads: int | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """Publish the start-up weights and spawn the generation process (returns at once).
 
-        `trainer_threads`: the trainer's torch threads from the generator's start (see `placement`); restored on close.
-        Under FSDP2 / ZeRO-3, every rank must call it at the same point: the weights are gathered (collectives).
+        `placement`: the trainer's torch threads from the generator's start, and whether the two processes lend each
+        other their cores while they wait (see `placement`, `cores`); the thread count is restored on close. Under
+        FSDP2 / ZeRO-3, every rank must call it at the same point: the weights are gathered (collectives).
         """
         settings = self.settings
-        self._trainer_threads = trainer_threads
+        self._trainer_threads = None if placement is None else placement.trainer_threads
         self._threads_before = torch.get_num_threads()
+        if placement is not None and placement.lend_cores and spec.backend == "hf":
+            self._lending = CoreLending(
+                multiprocessing.get_context("spawn"),
+                placement.cores,
+                placement.trainer_threads,
+                placement.generator_threads,
+            )
+            self._lending_hooks = self._lending.attach(model, TRAINER)
+            self._lending_counts = (0, 0)
         if self._restored is not None:
             spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))
         self._stream_offset = spec.stream_offset
@@ -169,16 +186,20 @@ class RolloutClient:
             self.trainable_store,
             startup_timeout=settings.startup_timeout,
             heartbeat_timeout=settings.heartbeat_timeout,
+            lending=self._lending,
+            # A fork server's child starts with its imports done (`warm_up_generator_start`); vLLM's engine start-up
+            # dwarfs them and manages processes of its own, so its generation process is spawned as before.
+            mp_context=default_start_method() if spec.backend == "hf" else "spawn",
         )
         self._spec = spec
         self._local = None
-        started = time.perf_counter()
         self.process.start()
         logger.info(
-            "trl_async: generator pid %s starting on %s (%d threads); %d trainable tensors (%.1f MiB) sync every %d "
-            "step(s) (spawned in %.2fs)",
-            self.process.pid, spec.device, spec.num_threads, len(trainable), self.trainable_store.num_bytes / 2**20,
-            settings.weight_sync_steps, time.perf_counter() - started,
+            "trl_async: generation process starting (%s) on %s (%d threads%s); %d trainable tensors (%.1f MiB) sync "
+            "every %d step(s)",
+            self.process.ctx.get_start_method(), spec.device, spec.num_threads,
+            ", cores lent while waiting" if self._lending is not None else "", len(trainable),
+            self.trainable_store.num_bytes / 2**20, settings.weight_sync_steps,
         )  # fmt: skip
 
     def _split_cores(self) -> None:
@@ -187,6 +208,9 @@ class RolloutClient:
 
     def close(self) -> None:
         """Stop the generation process and free the queue's spool and the stores (idempotent)."""
+        for handle in self._lending_hooks:
+            handle.remove()
+        self._lending_hooks, self._lending = [], None
         if self.process is not None:
             self.process.stop()
             if self._trainer_threads is not None:
@@ -211,15 +235,18 @@ class RolloutClient:
         while True:
             if self.queue.is_open:
                 item = self.queue.get(
-                    last_use_version, on_wait=self.check_health, agree=self._agree
-                )  # evicts (and counts) stale items itself, agreeing with the other ranks
+                    last_use_version,
+                    on_wait=self.check_health,
+                    agree=self._agree,  # evicts (and counts) stale items itself, agreeing with the other ranks
+                    on_idle=None if self._lending is None else functools.partial(self._lending.set_waiting, TRAINER),
+                )
                 batch = RolloutBatch(item.payload, item.version, item.staleness, from_trainer=False)
                 self._next_index = item.index + 1
                 break
             if self.process.ready:
                 self.queue.open(self._next_index, evicted_before=self._local_evicted_items)
-                logger.info("trl_async: generator ready after %.1fs; queue opened at batch %d",
-                            time.time() - self.process.started_at, self._next_index)  # fmt: skip
+                logger.info("trl_async: generator (pid %s) ready after %.1fs; queue opened at batch %d",
+                            self.process.pid, time.time() - self.process.started_at, self._next_index)  # fmt: skip
                 continue
             batch = self._produce_locally(last_use_version, model, current_version)
             staleness = self._agree(batch.staleness)
@@ -350,6 +377,11 @@ class RolloutClient:
         stats = self.queue.stats() if self.queue is not None else None
         previous = self._last_stats
         self._last_stats = stats
+        lending_calls = lent_calls = 0
+        if self._lending is not None:  # hook calls since the last window, and those that found the generator waiting
+            lending_calls = self._lending.calls - self._lending_counts[0]
+            lent_calls = self._lending.lent_calls - self._lending_counts[1]
+            self._lending_counts = (self._lending.calls, self._lending.lent_calls)
         delta = {}
         if stats is not None and previous is not None:
             for key in ("evicted_rows", "generator_wait_s", "trainer_wait_s"):
@@ -366,6 +398,8 @@ class RolloutClient:
             "generate_s": window["generate_s"],
             "reward_s": window["reward_s"],
             "queue_size": self.queue.qsize() if self.queue is not None else 0,
+            "lending_calls": lending_calls,
+            "lent_calls": lent_calls,
         }
 
 

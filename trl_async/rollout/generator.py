@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import multiprocessing
 import multiprocessing.spawn as mp_spawn
 import os
 import signal
@@ -36,6 +38,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from .backends import GenerationOutput, ModelSpec, make_backend
+from .cores import GENERATOR, CoreLending
 from .prompts import PromptStream
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
@@ -275,9 +278,22 @@ def _die_with_parent(parent_pid: int) -> None:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent dies
 
+    # Forked from a fork server, the OS parent is that server (which exits when the trainer does), not the trainer:
+    # exit when re-parented, or when the trainer's pid is gone.
+    os_parent = os.getppid()
+
+    def trainer_gone() -> bool:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
     def watch():
         while True:
-            if os.getppid() != parent_pid:
+            if os.getppid() != os_parent or trainer_gone():
                 os._exit(0)
             time.sleep(1.0)
 
@@ -302,7 +318,9 @@ def _trainer_state_reader(path: str):
     return read
 
 
-def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control) -> None:
+def _generator_main(
+    spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control, lending: CoreLending | None
+) -> None:
     backend = None
     exit_code = 0
     try:
@@ -331,15 +349,25 @@ def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_sto
             **spec.backend_options,
         )
         backend.load()
+        on_idle = None
+        if lending is not None and isinstance(getattr(backend, "model", None), torch.nn.Module):
+            lending.attach(backend.model, GENERATOR)  # every decoding step re-reads the trainer's flag
+            on_idle = functools.partial(lending.set_waiting, GENERATOR)
         state_path = os.path.join(rollout_queue.spool_dir, "trainer_state.json")
         producer = RolloutProducer(spec, backend.generate, trainer_state=_trainer_state_reader(state_path))
         producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
         control.beat()
         control.set_ready()
         while not control.stop_requested:
-            index, min_version = rollout_queue.reserve(on_wait=beat_or_stop)
+            index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle)
             if trainable_store.version < min_version:
-                trainable_store.wait_for_version(min_version, on_wait=beat_or_stop)
+                if on_idle is not None:
+                    on_idle(True)
+                try:
+                    trainable_store.wait_for_version(min_version, on_wait=beat_or_stop)
+                finally:
+                    if on_idle is not None:
+                        on_idle(False)
             version = backend.update_weights()
             payload = producer.produce(index)
             rollout_queue.put(index, version, payload, num_rows=len(payload["rows"]))
@@ -362,10 +390,41 @@ def _generator_main(spec_blob: bytes, rollout_queue, frozen_store, trainable_sto
 
 
 # ---------------------------------------------------------------------------------------------------- trainer side
+# What a generation process imports before it can build a model: about 3.5 s of torch, transformers' modeling and
+# generation stacks and this package, measured on the development machine, most of a cold start.
+PRELOAD_MODULES = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.generation.utils",
+    "datasets",
+    "trl_async.rollout.generator",
+)
+
+
+def default_start_method() -> str:
+    """'forkserver' where the platform has it (Linux, macOS), else 'spawn'. Never 'fork': the trainer's OpenMP and
+    CUDA state does not survive a fork."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def warm_up_generator_start(start_method: str | None = None) -> None:
+    """Start the fork server now, with `PRELOAD_MODULES` imported in it, so that the generation process, forked from
+    it later (at the first training batch), starts with its imports done: its cold start drops from seconds to the
+    model build. Called when the trainer is constructed, where the trainer's own set-up leaves a core idle. A clean
+    interpreter, never the trainer's, is what gets forked (no OpenMP or CUDA state in it). No-op for 'spawn'."""
+    if (start_method or default_start_method()) != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(PRELOAD_MODULES))
+    forkserver.ensure_running()
+
+
 @contextlib.contextmanager
 def _spawn_without_main_module():
-    """Spawned children normally re-import the parent's `__main__`, re-running an unguarded training script.
-    Our child needs nothing from it (its payload is cloudpickled by value), so leave it out."""
+    """Spawned and fork-server children normally re-import the parent's `__main__`, re-running an unguarded training
+    script. Our child needs nothing from it (its payload is cloudpickled by value), so leave it out."""
     original = mp_spawn.get_preparation_data
 
     def preparation_data(name):
@@ -392,22 +451,32 @@ class GenerationProcess:
         trainable_store: SharedWeightStore,
         startup_timeout: float,
         heartbeat_timeout: float,
-        mp_context="spawn",
+        mp_context=None,
+        lending: CoreLending | None = None,
     ):
+        mp_context = mp_context or default_start_method()
         self.ctx = torch_mp.get_context(mp_context) if isinstance(mp_context, str) else mp_context
         self.spec = spec
         self.queue = rollout_queue
         self.frozen_store = frozen_store
         self.trainable_store = trainable_store
+        self.lending = lending  # CPU core lending between this process and the trainer (`cores`), or None
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.control = _Control(self.ctx, os.path.join(rollout_queue.spool_dir, "generator-error.txt"))
         self.process = None
         self.started_at: float | None = None
+        self._launcher: threading.Thread | None = None
+        self._launch_error: BaseException | None = None
 
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
+
+    @property
+    def launched(self) -> bool:
+        """Whether `Process.start` has returned (at once with 'spawn'; with 'forkserver', once the server forked)."""
+        return self.process is not None and (self._launcher is None or not self._launcher.is_alive())
 
     @property
     def ready(self) -> bool:
@@ -417,17 +486,38 @@ class GenerationProcess:
         blob = cloudpickle.dumps(self.spec)
         self.process = self.ctx.Process(
             target=_generator_main,
-            args=(blob, self.queue, self.frozen_store, self.trainable_store, self.control),
+            args=(blob, self.queue, self.frozen_store, self.trainable_store, self.control, self.lending),
             name=f"trl-async-generator-{self.spec.process_index}",
             daemon=True,
         )
-        with _spawn_without_main_module():
-            self.process.start()
         self.started_at = time.time()
+        if self.ctx.get_start_method() == "forkserver":
+            # A fork server still importing (`warm_up_generator_start`) forks only when done, and `Process.start`
+            # blocks until then: launch from a thread, so the trainer produces batches meanwhile.
+            self._launcher = threading.Thread(target=self._launch, daemon=True, name="trl-async-generator-launch")
+            self._launcher.start()
+        else:
+            self._launch()
+
+    def _launch(self) -> None:
+        try:
+            with _spawn_without_main_module():
+                self.process.start()
+        except BaseException as error:  # reported by check_health
+            self._launch_error = error
 
     def check_health(self) -> None:
         """Raise `GeneratorError` if the child raised, exited, stopped making progress or never became ready."""
         if self.process is None:
+            return
+        if self._launch_error is not None:
+            raise GeneratorError(f"The generation process could not be started: {self._launch_error!r}")
+        if not self.launched:
+            if time.time() - self.started_at > self.startup_timeout:
+                raise GeneratorError(
+                    f"The generation process was not started within generator_startup_timeout="
+                    f"{self.startup_timeout:.0f}s (the fork server did not fork it)."
+                )
             return
         error = self.control.read_error()
         if error is None and not self.process.is_alive():
@@ -463,6 +553,10 @@ class GenerationProcess:
             return
         self.control.request_stop()
         self.queue.close()
+        if self._launcher is not None:
+            self._launcher.join(timeout)  # a child being forked right now is stopped like any other
+        if self.process._popen is None:  # never started (the launch failed or is still hanging)
+            return
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()

@@ -103,15 +103,32 @@ class _Counters:
 
 
 class _Poller:
-    """Sleeps with a short backoff and calls `on_wait` about every 0.2 s."""
+    """Sleeps with a short backoff and calls `on_wait` about every 0.2 s. `on_idle(True)` is called when the caller
+    first blocks and `on_idle(False)` by `done()` if it did (a caller served at once is never idle)."""
 
-    def __init__(self, on_wait: Callable[[], None] | None, timeout: float | None, describe: Callable[[], str]):
+    def __init__(
+        self,
+        on_wait: Callable[[], None] | None,
+        timeout: float | None,
+        describe: Callable[[], str],
+        on_idle: Callable[[bool], None] | None = None,
+    ):
         self.start = time.perf_counter()
         self.last_callback = self.start
-        self.on_wait, self.timeout, self.describe = on_wait, timeout, describe
+        self.on_wait, self.timeout, self.describe, self.on_idle = on_wait, timeout, describe, on_idle
         self.sleep_s = 0.0002
+        self.blocked = False
+
+    def done(self) -> None:
+        if self.blocked and self.on_idle is not None:
+            self.on_idle(False)
+        self.blocked = False
 
     def wait(self) -> None:
+        if not self.blocked:
+            self.blocked = True
+            if self.on_idle is not None:
+                self.on_idle(True)
         now = time.perf_counter()
         if self.timeout is not None and now - self.start >= self.timeout:
             raise TimeoutError(self.describe())
@@ -189,14 +206,20 @@ class StalenessBoundedQueue:
         return self.last_use_version(index) - self.max_staleness
 
     # ----------------------------------------------------------------------------------------------- producer
-    def reserve(self, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> tuple[int, int]:
+    def reserve(
+        self,
+        timeout: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        on_idle: Callable[[bool], None] | None = None,
+    ) -> tuple[int, int]:
         """Block until the next item may be generated; return `(index, min_version)`.
 
         The producer must then generate item `index` with weights of version >= `min_version` (they are published
-        by then) and `put` it. Time spent here is the generator's wait on the gate.
+        by then) and `put` it. Time spent here is the generator's wait on the gate. `on_idle(True)` / `(False)` is
+        called when the producer starts and stops blocking (see `cores`).
         """
         c = self._counters
-        poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved)))
+        poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved)), on_idle)
         try:
             while True:
                 if c.closed:
@@ -213,6 +236,7 @@ class StalenessBoundedQueue:
                         return index, min_version
                 poller.wait()
         finally:
+            poller.done()
             c.generator_wait_s += poller.elapsed
 
     def _gate_state(self, index: int) -> str:
@@ -273,12 +297,14 @@ class StalenessBoundedQueue:
         timeout: float | None = None,
         on_wait: Callable[[], None] | None = None,
         agree: Callable[[int], int] | None = None,
+        on_idle: Callable[[bool], None] | None = None,
     ) -> QueueItem:
         """Return the oldest item whose staleness at `last_use_version` is within bound, evicting older ones.
 
         `on_wait` is called about every 0.2 s while waiting; it may raise to abort (e.g. when the producer died).
         `agree(staleness) -> staleness` turns this rank's staleness of the item into the one every rank acts on (the
         maximum over ranks), so that all ranks evict the same items. Time spent here is the trainer's wait.
+        `on_idle(True)` / `(False)` is called when the consumer starts and stops blocking (see `cores`).
         """
         c = self._counters
         if not self.is_open:
@@ -287,7 +313,7 @@ class StalenessBoundedQueue:
         # visible with a previous wait's version.
         c.waiting_last_use = last_use_version
         c.waiting_index = c.consumed
-        poller = _Poller(on_wait, timeout, lambda: "no item arrived in time")
+        poller = _Poller(on_wait, timeout, lambda: "no item arrived in time", on_idle)
         try:
             while True:
                 if c.closed:
@@ -296,6 +322,7 @@ class StalenessBoundedQueue:
                 if c.produced <= index:
                     poller.wait()
                     continue
+                poller.done()  # busy again: reading the item
                 item = self._take(index)
                 local = last_use_version - item.version
                 staleness = local if agree is None else agree(local)
@@ -313,6 +340,7 @@ class StalenessBoundedQueue:
                 item.staleness = local
                 return item
         finally:
+            poller.done()
             c.waiting_index = -1
             c.trainer_wait_s += poller.elapsed
 

@@ -1,0 +1,152 @@
+"""CPU core lending (`trl_async/rollout/cores.py`): a process that waits lends its share of the cores to the other."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+from trainer_utils import answer_reward, load_tokenizer, make_args
+
+from trl_async import AsyncGRPOTrainer
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+from trl_async.rollout.cores import GENERATOR, TRAINER, CoreLending
+from trl_async.rollout.placement import choose_placement
+from trl_async.rollout.queue import StalenessBoundedQueue
+
+
+class _ThreadsSeen(torch.autograd.Function):
+    """Identity that records the torch thread count in forward and in backward."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        record.append(("forward", torch.get_num_threads()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record.append(("backward", torch.get_num_threads()))
+        return grad, None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, record):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.record = record
+
+    def forward(self, x):
+        return _ThreadsSeen.apply(self.linear(x), self.record)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, record):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(record) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _set_flag(lending, side, waiting):
+    lending.set_waiting(side, waiting)
+
+
+def _flag_from_another_process(lending, side, waiting):
+    child = multiprocessing.get_context("spawn").Process(target=_set_flag, args=(lending, side, waiting))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def test_the_trainer_computes_on_every_core_exactly_while_the_generator_waits():
+    """The generator's flag, written by a real second process through shared memory, decides the trainer's thread
+    count before every layer's forward and before every layer's backward."""
+    threads_before = torch.get_num_threads()
+    record = []
+    model = _Stack(record)
+    lending = CoreLending(multiprocessing.get_context("spawn"), cores=2, trainer_threads=1, generator_threads=1)
+    handles = lending.attach(model, TRAINER)
+    try:
+        # The flag changes between the forward and the backward: each phase follows the flag of its time.
+        for waiting_in_forward, waiting_in_backward in ((True, False), (False, True), (True, True), (False, False)):
+            _flag_from_another_process(lending, GENERATOR, waiting_in_forward)
+            record.clear()
+            loss = model(torch.randn(4, 8, requires_grad=True)).sum()
+            _flag_from_another_process(lending, GENERATOR, waiting_in_backward)
+            loss.backward()
+            expected = [("forward", 2 if waiting_in_forward else 1)] * 3
+            expected += [("backward", 2 if waiting_in_backward else 1)] * 3
+            assert record == expected, (waiting_in_forward, waiting_in_backward)
+        # The trainer waiting does not give the trainer more threads.
+        _flag_from_another_process(lending, GENERATOR, False)
+        lending.set_waiting(TRAINER, True)
+        record.clear()
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        assert all(threads == 1 for _, threads in record)
+        assert lending.threads_for(GENERATOR) == 2  # but the generator may use every core
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch.set_num_threads(threads_before)
+    assert lending.lent_calls > 0 and lending.calls > lending.lent_calls
+
+
+def test_the_queue_reports_idleness_only_while_a_side_blocks():
+    """`on_idle(True)` when the consumer starts to block on an empty queue, `on_idle(False)` before it reads the
+    item; a consumer served at once is never idle. Same for a producer held at the gate."""
+    queue = StalenessBoundedQueue(max_staleness=0, capacity=1, start_index=0)
+    try:
+        queue.publish(0)
+        calls = []
+        index, _ = queue.reserve(timeout=30, on_idle=calls.append)
+        assert calls == []  # the gate was open
+        threading.Timer(0.3, queue.put, args=(index, 0, "item")).start()
+        item = queue.get(0, timeout=30, on_idle=calls.append)
+        assert item.payload == "item" and calls == [True, False]
+        calls.clear()
+        # The producer may generate item 1 only with weights of version 1 (max_staleness 0): it blocks until then.
+        threading.Timer(0.3, queue.publish, args=(1,)).start()
+        index, min_version = queue.reserve(timeout=30, on_idle=calls.append)
+        assert (index, min_version) == (1, 1) and calls == [True, False]
+    finally:
+        queue.close()
+        queue.cleanup()
+
+
+def test_placement_lends_only_where_the_cores_are_split():
+    cpu = torch.device("cpu")
+    assert choose_placement(None, cpu, None, 2, None, lend_idle_cores=True).lend_cores
+    assert not choose_placement(None, cpu, None, 2, None, lend_idle_cores=False).lend_cores
+    assert not choose_placement(None, cpu, None, 2, "1", lend_idle_cores=True).lend_cores  # the user's OMP_NUM_THREADS
+    assert not choose_placement(None, cpu, None, 1, None, lend_idle_cores=True).lend_cores  # one core: nothing to lend
+    assert not choose_placement("cuda:1", cpu, None, 2, None, lend_idle_cores=True).lend_cores
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
+def test_async_training_lends_cores_and_restores_the_thread_count(tmp_path, monkeypatch):
+    """No thread settings (as a user runs it): the trainer and its generation process lend each other the cores, the
+    share of the trainer's layer passes that ran on every core is logged, and `train()` leaves torch's thread count
+    as it found it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    dataset = make_arithmetic_dataset(num_train=256, num_test=4, seed=0)["train"]
+    args = make_args(tmp_path, max_steps=12, trainer_generates_while_starting=False)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_path(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+        processing_class=load_tokenizer(),
+    )  # fmt: skip
+    threads_before = torch.get_num_threads()
+    trainer.train()
+    fractions = [
+        h["async/trainer_lent_cores_fraction"] for h in trainer.state.log_history if "async/staleness_mean" in h
+    ]
+    assert len(fractions) == 12
+    assert all(0.0 <= f <= 1.0 for f in fractions)
+    assert torch.get_num_threads() == threads_before

@@ -1,0 +1,142 @@
+"""The shared-prompt training forward (`trl_async/shared_prompt.py`): the same log-probs, entropies and gradients as
+TRL's forward, with each prompt computed once per group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_utils import answer_reward, load_tokenizer, make_args
+from transformers import AutoModelForCausalLM
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_async import AsyncGRPOTrainer
+from trl_async.assets import tiny_model_path
+from trl_async.data import make_arithmetic_dataset
+from trl_async.shared_prompt import pack_prompt_groups
+
+
+def grpo_batch(seed=0, groups=3, group_size=4, prompt_width=9, completion_width=7, vocab=400):
+    """TRL's layout: left-padded prompts of different lengths, `group_size` right-padded completions each, rows
+    shuffled (TRL shuffles a generation batch before splitting it)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(groups):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, prompt_width + 1, (), generator=g)),), generator=g)
+        for _ in range(group_size):
+            length = int(torch.randint(1, completion_width + 1, (), generator=g))
+            rows.append((prompt, torch.randint(3, vocab, (length,), generator=g)))
+    width = prompt_width + completion_width
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        ids[i, prompt_width - len(prompt) : prompt_width] = prompt
+        mask[i, prompt_width - len(prompt) : prompt_width] = 1
+        ids[i, prompt_width : prompt_width + len(completion)] = completion
+        mask[i, prompt_width : prompt_width + len(completion)] = 1
+    order = torch.randperm(len(rows), generator=g)
+    return ids[order], mask[order], completion_width
+
+
+def test_each_completion_token_sees_exactly_its_unpacked_context():
+    """For every completion token: the (token, position) pairs it may attend to in the packed batch are those of its
+    unpacked row (the real prompt tokens, then its completion up to itself), and it sits at its unpacked position."""
+    ids, mask, L = grpo_batch(seed=1)
+    P = ids.size(1) - L
+    packed = pack_prompt_groups(ids, mask, L)
+    assert packed is not None and packed.input_ids.size(0) == 3
+    for row in range(ids.size(0)):
+        group, start = int(packed.row_group[row]), int(packed.row_start[row])
+        for j in range(L):
+            if not mask[row, P + j]:
+                assert packed.labels[group, start + 1 + j] == -100
+                continue
+            query = start + 1 + j  # where completion token j sits in the packed sequence
+            assert packed.input_ids[group, query] == ids[row, P + j]
+            assert packed.position_ids[group, query] == P + j
+            assert packed.labels[group, query] == ids[row, P + j]
+            seen = {
+                (int(packed.input_ids[group, t]), int(packed.position_ids[group, t]))
+                for t in torch.nonzero(packed.allowed[group, query]).flatten().tolist()
+            }
+            expected = {(int(ids[row, t]), t) for t in range(P + j + 1) if mask[row, t]}
+            assert seen == expected, (row, j)
+
+
+def test_distinct_prompts_are_not_packed_and_savings_are_required():
+    ids, mask, L = grpo_batch(groups=6, group_size=1)
+    assert pack_prompt_groups(ids, mask, L) is None  # nothing shared: TRL's forward
+    ids, mask, L = grpo_batch(groups=2, group_size=4)
+    assert pack_prompt_groups(ids, mask, L) is not None
+    assert pack_prompt_groups(ids, mask, L, min_saving=0.99) is None
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_forward_equals_trls_forward_with_gradients(attn_implementation, checkpointing):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation=attn_implementation)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids, mask, L = grpo_batch(seed=2)
+
+    # TRL's forward (`GRPOTrainer._get_per_token_logps_and_entropies`): labels on the completion tokens only.
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-L] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    reference_logps, reference_entropy = out.log_probs[:, -L:], out.entropy[:, -L:]
+    weights = torch.randn(reference_logps.shape)  # a loss that weighs every token differently
+    ((reference_logps * weights).sum() + reference_entropy.sum()).backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    packed = pack_prompt_groups(ids, mask, L)
+    assert packed.input_ids.numel() < 0.8 * ids.numel()
+    out = model(
+        input_ids=packed.input_ids,
+        attention_mask=packed.attention_mask(attn_implementation, torch.float32),
+        position_ids=packed.position_ids,
+        labels=packed.labels,
+        fused_lm_head=True,
+    )
+    logps, entropy = packed.unpack(out.log_probs), packed.unpack(out.entropy)
+    torch.testing.assert_close(logps, reference_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, reference_entropy, atol=1e-5, rtol=1e-5)
+    ((logps * weights).sum() + entropy.sum()).backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference_grads[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_the_trainer_packs_its_forward_and_gets_trls_numbers(tmp_path):
+    """`AsyncGRPOTrainer._get_per_token_logps_and_entropies` on a real GRPO batch: 'on' feeds the model fewer tokens
+    (one sequence per prompt) and returns what 'off' (TRL's forward) returns."""
+    dataset = make_arithmetic_dataset(num_train=32, num_test=4, seed=0)["train"]
+    args = make_args(tmp_path, async_generation=False, gradient_checkpointing=False)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_path(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+        processing_class=load_tokenizer(),
+    )  # fmt: skip
+    trainer.model.train()
+    rows = [row for row in dataset.select(range(2)).to_list() for _ in range(4)]  # TRL's sampler repeats prompts
+    batch = trainer._generate_and_score_completions(rows)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    widths = []
+    handle = trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    results = {}
+    for mode in ("off", "on"):
+        trainer.args.shared_prompt_forward = mode
+        widths.clear()
+        results[mode] = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), compute_entropy=True
+        )
+        results[mode + "_shape"] = widths[0]
+    handle.remove()
+    assert results["off_shape"] == input_ids.shape
+    assert results["on_shape"][0] == 2  # 8 rows, 2 prompts of 4 generations
+    assert results["on_shape"].numel() < input_ids.numel()
+    torch.testing.assert_close(results["on"][0], results["off"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["on"][1], results["off"][1], atol=1e-5, rtol=1e-5)
