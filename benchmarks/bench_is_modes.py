@@ -2,6 +2,7 @@
 
     python benchmarks/bench_is_modes.py                 # 3 modes x max_staleness 1, 2, 4 x 3 seeds, 80 steps each
     python benchmarks/bench_is_modes.py --quick         # 1 seed, 20 steps
+    python benchmarks/bench_is_modes.py --learning-rate 1e-4 --steps 100 --tag _lr1e-4   # the README's second table
 
 TRL tuned `vllm_importance_sampling_mode="sequence_mask"` with C=3 for the small numerical drift between vLLM and the
 trainer. Asynchronous rows differ by one to four optimizer steps of policy lag, a larger shift. For each mode
@@ -97,6 +98,7 @@ def main():
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the output files, e.g. _lr1e-4")
     args = parser.parse_args()
     if args.worker:
         with open(args.out, "w") as f:
@@ -128,13 +130,13 @@ def main():
         (r, rse), (c, cse), (st, _) = row["reward_last_quarter"], row["clipped_fraction"], row["staleness_mean"]
         print(f"{key:26s} {r:7.3f} ± {rse:.3f} {c:8.2%} ± {cse:.2%} {st:10.2f}")
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "bench_is_modes.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"bench_is_modes{args.tag}.json"), "w") as f:
         json.dump({"steps": args.steps, "seeds": args.seeds, "learning_rate": args.learning_rate, "table": table,
                    "runs": results}, f, indent=1)  # fmt: skip
-    plot(results, args.steps)
+    plot(results, args.steps, tag=args.tag)
 
 
-def plot(results, steps, window=10):
+def plot(results, steps, window=10, tag=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +158,7 @@ def plot(results, steps, window=10):
     axes[0][0].set_ylabel(f"reward (rolling mean of {window})")
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "bench_is_modes.png"), dpi=110)
+    fig.savefig(os.path.join(RESULTS, f"bench_is_modes{tag}.png"), dpi=110)
     plt.close(fig)
 
 
