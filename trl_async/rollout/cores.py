@@ -11,8 +11,8 @@ Each process publishes one flag, "I am waiting", written by that process only (n
 costs one layer run on the old thread count). Each process re-reads the other's flag at the points where its work is
 cut into short pieces: before every layer's forward and before every layer's backward (the trainer), before every
 decoding step (the generator), and sets its torch thread count to every core of the rank while the other waits, its
-own share otherwise. `torch.set_num_threads` is cheap (measured: well under a microsecond-scale matmul's cost) and
-only called when the count changes.
+own share otherwise. `torch.set_num_threads` is cheap (measured: a thread-count switch before each of 2,000 small
+matmuls added nothing measurable) and is only called when the count changes.
 """
 
 from __future__ import annotations
