@@ -17,8 +17,6 @@ matmuls added nothing measurable) and is only called when the count changes.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 TRAINER, GENERATOR = 0, 1
@@ -59,14 +57,6 @@ class CoreLending:
 
     def set_waiting(self, side: int, waiting: bool) -> None:
         self._waiting[side] = 1 if waiting else 0
-
-    @contextlib.contextmanager
-    def waiting(self, side: int):
-        self.set_waiting(side, True)
-        try:
-            yield
-        finally:
-            self.set_waiting(side, False)
 
     def attach(self, model: torch.nn.Module, side: int) -> list:
         """Re-read the other side's flag before each layer's forward and backward of `model`; return the hook handles
