@@ -383,4 +383,9 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    from accelerate import PartialState
+
     main()
+    # An undestroyed gloo/NCCL process group can abort the interpreter's exit (SIGABRT, "terminate called without an
+    # active exception": its worker threads outlive Python; pytorch/pytorch#179291). A no-op in a single process.
+    PartialState().destroy_process_group()

@@ -384,3 +384,5 @@ def test_stream_rows_of_conversational_dataset_are_detected_as_conversational(da
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _record_two_ranks(sys.argv[1])
+    if torch.distributed.is_initialized():  # exit with no live gloo group (pytorch/pytorch#179291)
+        torch.distributed.destroy_process_group()

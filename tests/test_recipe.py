@@ -5,6 +5,7 @@ default job raises reward and held-out greedy accuracy (slow)."""
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -143,6 +144,12 @@ def test_evaluation_threads_default_to_one_for_small_models_on_cpu(monkeypatch):
     assert accuracy.eval_threads(model, None) is None  # large enough: torch's own setting is kept
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 SHARDED_EVAL_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
@@ -158,6 +165,7 @@ model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
 rows = make_arithmetic_dataset(num_train=10, num_test=41, seed=0)["test"]  # 41: shards of 21 and 20
 result = accuracy.evaluate_sharded(state, model, tokenizer, rows, max_new_tokens=48, batch_size=16)
 json.dump(result, open(os.path.join(sys.argv[2], f"rank{state.process_index}.json"), "w"))
+state.destroy_process_group()  # a live gloo group can abort the interpreter's exit (pytorch/pytorch#179291)
 """
 
 
@@ -174,7 +182,8 @@ def test_sharded_evaluation_across_two_processes_equals_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(RECIPE_DIR), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(script), RECIPE_DIR, str(tmp_path)]  # fmt: skip
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(_free_port()), str(script), RECIPE_DIR, str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]

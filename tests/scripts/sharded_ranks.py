@@ -257,3 +257,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Exit with no live gloo group: its threads can otherwise abort the interpreter's exit (pytorch/pytorch#179291).
+    torch.distributed.destroy_process_group()
