@@ -232,6 +232,14 @@ MUTATIONS = [
         ("tests/test_cores.py::test_the_trainer_computes_on_every_core_exactly_while_the_generator_waits",),
         "the backward runs on the thread count the forward left, whatever the generator does meanwhile",
     ),
+    Mutation(
+        "switch_repeats_a_batch",
+        "trl_async/rollout/client.py",
+        "self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)",
+        "self.queue.open(self._next_index, evicted_before=self._local_evicted_items)",
+        ("tests/test_engine.py::test_start_up_switch_trains_every_stream_batch_once_in_order",),
+        "at the start-up switch the generation process makes the batch the trainer is making (trained twice)",
+    ),
 ]
 
 

@@ -155,6 +155,42 @@ def test_same_seed_same_run_on_policy(tmp_path, dataset, tokenizer):
     assert any(a.shape != c.shape or not torch.equal(a, c) for a, c in zip(first[0], other[0], strict=True))
 
 
+# ----------------------------------------------------------------------------------------------- start-up
+class _StopAfterQueueBatches(TrainerCallback):
+    def __init__(self, seen: list, queue_batches: int):
+        self.seen, self.queue_batches = seen, queue_batches
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if sum(not from_trainer for _, from_trainer in self.seen) >= self.queue_batches:
+            control.should_training_stop = True
+
+
+def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, dataset, tokenizer, monkeypatch):
+    """Default start-up: the trainer makes the first batches itself while the generation process starts, and the
+    queue opens one batch ahead of the trainer's last one. Across the switch, every batch of the prompt stream is
+    trained on exactly once and in order: the trainer's batches first, then only the process's."""
+    args = make_args(tmp_path, max_steps=400)  # a cap: training stops a few queue batches after the switch
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    seen: list[tuple[int, bool]] = []
+    next_batch = trainer._rollout.next_batch
+
+    def recording_next_batch(*args, **kwargs):
+        batch = next_batch(*args, **kwargs)
+        seen.append((batch.payload["stream_index"], batch.from_trainer))
+        return batch
+
+    monkeypatch.setattr(trainer._rollout, "next_batch", recording_next_batch)
+    trainer.add_callback(_StopAfterQueueBatches(seen, queue_batches=4))
+    trainer.train()
+    indices, from_trainer = zip(*seen, strict=True)
+    assert list(indices) == list(range(len(seen)))
+    made_by_trainer = from_trainer.index(False)
+    assert made_by_trainer >= 1 and not any(from_trainer[made_by_trainer:])
+    assert len(seen) - made_by_trainer >= 4
+
+
 # ----------------------------------------------------------------------------------------------- data sources
 def test_iterable_dataset_trains_asynchronously(tmp_path, dataset, tokenizer):
     streaming = dataset.to_iterable_dataset(num_shards=2)

@@ -310,15 +310,25 @@ class HFBackend(GenerationBackend):
         return self.version
 
     def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput:
-        return generate_with_behaviour_logprobs(
-            self.model,
-            prompt_ids,
-            self.generation_config,
-            self.eos_token_ids,
-            self.pad_token_id,
-            self.device,
-            seed=seed,
-            heartbeat=self.heartbeat,
+        # Inference mode, not only no_grad: the decoding loop's tensors skip version counters and view tracking (~4%
+        # faster decoding on the tiny model, 1 thread). This model never trains. The results are cloned outside it,
+        # so that callers (tensor rewards) get ordinary tensors they may use however they like.
+        with torch.inference_mode():
+            out = generate_with_behaviour_logprobs(
+                self.model,
+                prompt_ids,
+                self.generation_config,
+                self.eos_token_ids,
+                self.pad_token_id,
+                self.device,
+                seed=seed,
+                heartbeat=self.heartbeat,
+            )
+        return GenerationOutput(
+            *(
+                None if tensor is None else tensor.clone()
+                for tensor in (getattr(out, f.name) for f in dataclasses.fields(out))
+            )
         )
 
 

@@ -281,6 +281,11 @@ class StalenessBoundedQueue:
         c.produced = start_index
         c.start_index = start_index
 
+    def count_evicted_before_start(self) -> None:
+        """An item produced elsewhere just before `start_index` (after `open`) was evicted: it shifts the gate's
+        schedule as the `evicted_before` items of `open` do."""
+        self._counters.evicted_items += 1
+
     @property
     def is_open(self) -> bool:
         return self._counters.start_index >= 0
