@@ -57,7 +57,7 @@ class _PublishWeights(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self._trainer()
         if trainer is not None and trainer._rollout_started():
-            model = trainer.accelerator.unwrap_model(trainer.model)
+            model = trainer._unwrap(trainer.model)
             seconds = trainer._rollout.publish(model, state.global_step, state)
             if seconds:
                 trainer._metrics["train"]["async/weight_sync_s"].append(seconds)
@@ -122,6 +122,8 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             )
             if args.generation_backend == "hf":  # the generation process's imports, while TRL builds the trainer
                 warm_up_generator_start()
+        # Wrappers (DDP, compiled modules) -> the bare model, see `_unwrap`; weak: a re-prepared model drops its old wrapper.
+        self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._rollout = RolloutClient(
@@ -156,6 +158,14 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                 )
 
     # --------------------------------------------------------------------------------------------- lifecycle
+    def _unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`accelerator.unwrap_model(model)`, computed once per wrapper: it checks every submodule for compiled regions
+        (~1 ms on the tiny model), and the rollout path needs the bare model several times a step."""
+        unwrapped = self._unwrapped_models.get(model)
+        if unwrapped is None:
+            unwrapped = self._unwrapped_models[model] = self.accelerator.unwrap_model(model)
+        return unwrapped
+
     def _async_training(self) -> bool:
         return bool(async_field(self.args, "async_generation")) and self.model.training
 
@@ -321,13 +331,13 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             placement = self._placement()
             self._rollout.start(
                 self._generator_spec(placement),
-                self.accelerator.unwrap_model(self.model),
+                self._unwrap(self.model),
                 version=self.state.global_step,
                 trainer_state=self.state,
                 placement=placement,
             )
         batch = self._rollout.next_batch(
-            self._last_use_version(), self.accelerator.unwrap_model(self.model), current_version=self.state.global_step
+            self._last_use_version(), self._unwrap(self.model), current_version=self.state.global_step
         )
         with self._rollout.serving(batch):
             output = super()._generate_and_score_completions(batch.payload["rows"])
@@ -503,7 +513,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         mode = async_field(self.args, "shared_prompt_forward")
         if mode == "off" or (mode == "auto" and self.accelerator.device.type != "cpu"):
             return None
-        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        config = getattr(self._unwrap(model), "config", None)
         attn_implementation = getattr(config, "_attn_implementation", None)
         if attn_implementation not in ("sdpa", "eager") or config.get_text_config() is not config:
             return None  # flash / flex kernels take no dense mask; a vision-language model's inputs are not all text

@@ -331,7 +331,7 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
     @property
     def critic_model(self) -> PerTokenValueModel | AdapterValueModel:
         """The critic without its DDP wrapper."""
-        return self.accelerator.unwrap_model(self.critic)
+        return self._unwrap(self.critic)
 
     def _critic_parameters(self) -> list[nn.Parameter]:
         """Every trainable parameter of the critic: its own, and a PEFT critic adapter's (which lives in the policy)."""
