@@ -256,9 +256,8 @@ class RolloutClient:
             if staleness <= self.settings.max_staleness:
                 break
             self._window["evicted_rows"] += len(batch.payload["rows"])
-            if (
-                self.queue.is_open
-            ):  # the batch before the queue's first: it shifts the gate's schedule as one of its own
+            if self.queue.is_open:
+                # The batch just before the queue's first: it shifts the gate's schedule as one of its own would.
                 self.queue.count_evicted_before_start()
             else:
                 self._local_evicted_items += 1
