@@ -324,11 +324,12 @@ class HFBackend(GenerationBackend):
                 seed=seed,
                 heartbeat=self.heartbeat,
             )
+        policy_logprobs = out.policy_logprobs
         return GenerationOutput(
-            *(
-                None if tensor is None else tensor.clone()
-                for tensor in (getattr(out, f.name) for f in dataclasses.fields(out))
-            )
+            completion_ids=out.completion_ids.clone(),
+            completion_mask=out.completion_mask.clone(),
+            logprobs=out.logprobs.clone(),
+            policy_logprobs=None if policy_logprobs is None else policy_logprobs.clone(),
         )
 
 
