@@ -211,10 +211,18 @@ MUTATIONS = [
     Mutation(
         "shared_prompt_positions_restart",
         "trl_async/shared_prompt.py",
-        "positions[rows, columns] = torch.arange(P - 1, width, device=device)",
-        "positions[rows, columns] = torch.arange(0, width - P + 1, device=device)",
+        "positions[rows, columns] = (P - 1 + offsets).expand(num_rows, -1)[kept]",
+        "positions[rows, columns] = offsets.expand(num_rows, -1)[kept]",
         ("tests/test_shared_prompt.py",),
         "packed completions get positions counted from their segment, not from their row",
+    ),
+    Mutation(
+        "shared_prompt_unpacks_past_the_row",
+        "trl_async/shared_prompt.py",
+        "return values.masked_fill(~in_segment, 0)",
+        "return values",
+        ("tests/test_shared_prompt.py",),
+        "past a row's last real token, unpack returns the next segment's values instead of TRL's masked zeros",
     ),
     Mutation(
         "lending_ignores_the_other_side",

@@ -44,11 +44,20 @@ def test_each_completion_token_sees_exactly_its_unpacked_context():
     P = ids.size(1) - L
     packed = pack_prompt_groups(ids, mask, L)
     assert packed is not None and packed.input_ids.size(0) == 3
+    # Exactly the completions' real tokens are labelled: no right padding is packed.
+    assert int((packed.labels != -100).sum()) == int(mask[:, P:].sum())
+    lengths = [int(mask[row, P:].nonzero().max()) + 1 for row in range(ids.size(0))]
+    assert packed.row_length.tolist() == lengths
+    assert packed.input_ids.size(1) == max(
+        (P - 1) + sum(1 + n for n, g in zip(lengths, packed.row_group.tolist(), strict=True) if g == group)
+        for group in range(3)
+    )
     for row in range(ids.size(0)):
         group, start = int(packed.row_group[row]), int(packed.row_start[row])
         for j in range(L):
             if not mask[row, P + j]:
-                assert packed.labels[group, start + 1 + j] == -100
+                if j < lengths[row]:
+                    assert packed.labels[group, start + 1 + j] == -100
                 continue
             query = start + 1 + j  # where completion token j sits in the packed sequence
             assert packed.input_ids[group, query] == ids[row, P + j]
