@@ -225,6 +225,22 @@ MUTATIONS = [
         "past a row's last real token, unpack returns the next segment's values instead of TRL's masked zeros",
     ),
     Mutation(
+        "prefill_cache_given_to_the_wrong_rows",
+        "trl_async/rollout/backends.py",
+        "cache.batch_select_indices(row_to_prompt)",
+        "cache.batch_select_indices(row_to_prompt.flip(0))",
+        ("tests/test_backends.py",),
+        "each row continues another prompt's prefilled cache",
+    ),
+    Mutation(
+        "policy_recorder_shared_under_warpers",
+        "trl_async/rollout/backends.py",
+        "if not processors and policy_recorder.temperature == 1.0:",
+        "if policy_recorder.temperature == 1.0:",
+        ("tests/test_backends.py",),
+        "the trainer-parametrization μ is taken from the warped scores when top-k/top-p/min-p are set",
+    ),
+    Mutation(
         "lending_ignores_the_other_side",
         "trl_async/rollout/cores.py",
         "return self.cores if self._waiting[1 - side] else self.shares[side]",

@@ -274,6 +274,36 @@ def test_a_seed_makes_a_batch_reproducible_and_leaves_the_callers_rng_alone(prom
     assert torch.equal(torch.rand(3), torch.rand(3, generator=expected_next))
 
 
+@pytest.mark.parametrize("case", ["trl_defaults", "all_together"])
+def test_repeated_prompts_are_prefilled_once_and_sample_what_generate_samples(case, prompt_ids, grpo_trainer):
+    """GRPO's rows repeat each prompt `num_generations` times: the prompt but its last token is prefilled once per
+    distinct prompt (`_shared_prompt_cache`), and the batch is the draw transformers' own `generate` makes from the
+    same seed, with μ exact."""
+    sampling = SAMPLING_CASES[case]
+    trainer = grpo_trainer(**sampling)
+    pad = trainer.processing_class.pad_token_id
+    prompts = [p for p in (prompt_ids[0], prompt_ids[2], prompt_ids[4]) for _ in range(4)]  # three lengths
+    width = max(len(p) for p in prompts)
+    model = load_model()
+    shapes = []  # (rows, tokens) of every forward of the decoder
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        out = generate(model, trainer, prompts, seed=11)
+    finally:
+        hook.remove()
+    assert shapes[0] == (3, width - 1)  # one row per distinct prompt
+    assert shapes[1:] == [(12, 1)] * (len(shapes) - 1)  # then every row, one token at a time; no row prefilled again
+    ids, attention = left_padded(prompts, pad)
+    torch.manual_seed(11)
+    raw = model.generate(input_ids=ids, attention_mask=attention, generation_config=trainer.generation_config)
+    mask = out.completion_mask
+    assert torch.equal(out.completion_ids, raw[:, width:].masked_fill(~mask, pad))
+    reference = reference_logprobs(model, prompts, out.completion_ids, mask, reference_processors(sampling))
+    assert (out.logprobs - reference).abs()[mask].max() < TOLERANCE
+
+
 def test_unseeded_calls_draw_fresh_samples(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     model = load_model()
