@@ -11,8 +11,9 @@ generations, TRL's default generation settings and gradient checkpointing, from 
   against `generate_with_behaviour_logprobs` (the generation process's call: each distinct prompt prefilled once, the
   behaviour log-probs μ recorded);
 * training: `GRPOTrainer._get_per_token_logps_and_entropies` (TRL's forward: every row `[prompt, completion]` padded
-  to the longest) against `AsyncGRPOTrainer`'s (one packed sequence per prompt group, padding cut), each followed by
-  the backward of a loss over every completion token.
+  to the longest) against `AsyncGRPOTrainer`'s (short completions: one packed sequence per prompt group, padding cut;
+  long ones: each prompt once as a key/value prefix), each followed by the backward of a loss over every completion
+  token, with gradient checkpointing on as `Trainer.train` turns it on.
 
 Writes benchmarks/results/bench_components.json. Single-thread figures: in the asynchronous trainer each process
 starts on its share of the cores (one each on a 2-core machine).
@@ -70,6 +71,11 @@ def measure(forced_length: int | None, repeats: int) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(out, forced_length)
+    # As `Trainer.train` does before the first step (TRL's default: on, non-reentrant); constructing the trainer
+    # does not turn it on.
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+    )
     tokenizer = trainer.processing_class
     prompts = [
         tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

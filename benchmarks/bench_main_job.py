@@ -2,6 +2,7 @@
 
     python benchmarks/bench_main_job.py                          # 3 pairs of the default job (about 30 min on 2 cores)
     python benchmarks/bench_main_job.py --pairs 1 --max_steps 40 # quick check
+    python benchmarks/bench_main_job.py --seeds 1,2,3            # one pair per seed: the seed-to-seed spread
 
 Each run is the README's command, `accelerate launch recipes/qwen_math.py` with the default (tiny) config, in a
 fresh process with default thread settings (OMP_NUM_THREADS removed, as a user would run it). The synchronous run
@@ -37,12 +38,14 @@ RECIPE = os.path.join(ROOT, "recipes", "qwen_math.py")
 MODES = {"async": [], "sync": ["--async_generation", "false"]}
 
 
-def run_once(mode: str, output_dir: str, max_steps: int | None) -> dict:
+def run_once(mode: str, output_dir: str, max_steps: int | None, seed: int | None = None) -> dict:
     """One run of the main job in `mode`; returns its figures (raises with the run's stderr if it fails)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", RECIPE, "--output_dir", output_dir, *MODES[mode]]  # fmt: skip
     if max_steps is not None:
         cmd += ["--max_steps", str(max_steps)]
+    if seed is not None:  # the recipe's --seed (TrainingArguments) seeds the model's sampling and its dataset split
+        cmd += ["--seed", str(seed)]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
@@ -147,22 +150,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (async + sync), order alternating")
     parser.add_argument("--max_steps", type=int, default=None, help="shorten every run (default: the job's own)")
+    parser.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, one pair per seed (replaces --pairs): how far the reward gain moves with the "
+        "seed alone, to read the async-sync difference against",
+    )
     parser.add_argument("--out", default=os.path.join(RESULTS, "bench_main_job.json"), help="JSON results path")
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None] * args.pairs
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers such as 1,2,3, not {args.seeds!r}")
+    args.pairs = len(seeds)
     runs, picture = [], None
     with tempfile.TemporaryDirectory(prefix="bench_main_job_") as tmp:
-        for pair in range(args.pairs):
+        for pair, seed in enumerate(seeds):
             order = ["async", "sync"] if pair % 2 == 0 else ["sync", "async"]
             for position, mode in enumerate(order):
                 output_dir = os.path.join(tmp, f"pair{pair}-{mode}")
-                record = run_once(mode, output_dir, args.max_steps)
-                record.update(pair=pair, position=position)
+                record = run_once(mode, output_dir, args.max_steps, seed)
+                record.update(pair=pair, position=position, seed=seed)
                 runs.append(record)
                 print(f"pair {pair} {mode}: {record['train_seconds']:.1f} s training, reward gain "
                       f"{record['reward_gain']}", flush=True)  # fmt: skip
-                full_job = args.max_steps is None  # README shows the default job's picture, not a shortened one
+                full_job = args.max_steps is None and args.seeds is None  # README shows the default job's picture, not a shortened one
                 if full_job and picture is None and mode == "async":
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                     picture = os.path.join(os.path.dirname(os.path.abspath(args.out)), "main_job_reward_accuracy.png")
@@ -171,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(runs, summary)
     result = {
         "command": "accelerate launch recipes/qwen_math.py [--async_generation false]"
-        + (f" --max_steps {args.max_steps}" if args.max_steps else ""),
+        + (f" --max_steps {args.max_steps}" if args.max_steps else "")
+        + (" --seed S" if args.seeds else ""),
         "pairs": args.pairs,
         "machine": {
             "cpus": os.cpu_count(),

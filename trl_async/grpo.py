@@ -26,7 +26,7 @@ import os
 import weakref
 
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import DistributedType, gather, gather_object, is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
@@ -42,7 +42,7 @@ from .rollout.client import RolloutClient, RolloutSettings
 from .rollout.generator import warm_up_generator_start
 from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
-from .shared_prompt import pack_prompt_groups
+from .shared_prompt import pack_prompt_groups, prefix_forward, prefix_survives_checkpointing, split_prompt_prefix
 from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
@@ -472,11 +472,13 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         compute_aux_loss=False,
         **multimodal_inputs,
     ):
-        """Replaces TRL's forward, for a text batch whose rows share prompts (GRPO's groups), by one forward per
-        prompt group (`shared_prompt.py`: the prompt is computed once, not `num_generations` times; same log-probs and
-        gradients). It calls the model exactly as TRL does (fused LM head, labels, autocast), with the packed rows.
-        Otherwise (`shared_prompt_forward`, multimodal inputs, an MoE load-balancing loss, an attention kernel that
-        takes no dense mask, or too small a saving) it is `super()`."""
+        """Replaces TRL's forward, for a text batch whose rows share prompts (GRPO's groups), by one that computes each
+        prompt once, not `num_generations` times (`shared_prompt.py`; same log-probs and gradients). Short
+        completions: one packed sequence per prompt group. Long ones, where packing saves under 20% of the tokens:
+        the prompts as a key/value prefix that the completions attend to (only for a model not wrapped for
+        distributed training, which must see one forward per backward). It calls the model as TRL does (fused LM
+        head, labels, autocast). Otherwise (`shared_prompt_forward`, multimodal inputs, an MoE load-balancing loss,
+        an attention kernel that takes no dense mask, or too small a saving) it is `super()`."""
         packing = self._shared_prompt_forward(model)
         if packing is None or compute_aux_loss or any(v is not None for v in multimodal_inputs.values()):
             return super()._get_per_token_logps_and_entropies(
@@ -489,7 +491,12 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):  # TRL's chunks, each packed on its own
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             packed = pack_prompt_groups(ids, mask, logits_to_keep)
+            outputs = None
             if packed is None:
+                outputs = self._prefix_forward(model, ids, mask, logits_to_keep, attn_implementation, dtype)
+            if outputs is not None:
+                logps, entropies = outputs.log_probs, outputs.entropy if compute_entropy else None
+            elif packed is None:
                 logps, entropies, _ = super()._get_per_token_logps_and_entropies(
                     model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
                 )
@@ -507,6 +514,28 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             all_logps.append(logps)
             all_entropies.append(entropies)
         return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None, None
+
+    def _prefix_forward(self, model, input_ids, attention_mask, logits_to_keep, attn_implementation, dtype):
+        """TRL's fused-head outputs for the rows with each prompt run once as a key/value prefix
+        (`shared_prompt.prefix_forward`), or None where that does not apply: too small a saving, a model wrapped for
+        distributed training (DDP, FSDP, DeepSpeed reduce gradients per forward call, and this is two calls), a model
+        with other than full-attention layers, or gradient checkpointing that would drop or detach the prefix
+        (`prefix_survives_checkpointing`)."""
+        unwrapped = self._unwrap(model)
+        config = unwrapped.config
+        if self.accelerator.distributed_type != DistributedType.NO or unwrapped is not model:
+            return None
+        if set(getattr(config, "layer_types", None) or ["unknown"]) != {"full_attention"}:
+            return None
+        if torch.is_grad_enabled() and not prefix_survives_checkpointing(unwrapped):
+            return None
+        prefix = split_prompt_prefix(input_ids, attention_mask, logits_to_keep)
+        if prefix is None:
+            return None
+        backbone = (unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped).base_model
+        with self.accelerator.autocast():
+            outputs = prefix_forward(model, backbone, prefix, attn_implementation, dtype)
+        return outputs
 
     def _shared_prompt_forward(self, model) -> tuple[str, torch.dtype] | None:
         """(attention implementation, dtype) when the packed forward applies to `model`, else None."""

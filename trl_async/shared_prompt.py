@@ -17,12 +17,18 @@ would). What this needs from the model: a dense 4-D attention mask (transformers
 one as given) and position ids as an argument. The attention itself gets dearer (one (S, S) mask per group instead of
 G (P+L)² ones), which is why `pack_prompt_groups` declines when packing saves too few tokens.
 
-Pure tensor code, no model: `pack_prompt_groups` builds the packed batch, `PackedRows.unpack` maps per-position
-outputs back to TRL's (B, L) layout.
+With long completions packing saves too little for its attention cost, and the prompt is computed once another way:
+as a key/value prefix (`split_prompt_prefix`, `prefix_forward`, below), one forward of the distinct prompts, then one
+of every row's `[prompt[-1], completion]` reading its prompt's keys and values through a read-only cache.
+
+`pack_prompt_groups` builds the packed batch and `PackedRows.unpack` maps per-position outputs back to TRL's (B, L)
+layout; `split_prompt_prefix` builds the prefix batch. These are pure tensor code. `prefix_forward` is the one
+function here that calls the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -143,3 +149,197 @@ def pack_prompt_groups(
         row_length=real_length,
         completion_length=L,
     )
+
+
+# ------------------------------------------------------------------------------------------------ prompt as a prefix
+# Where packing saves too little (long completions: the packed sequence's dense (S, S) attention costs more than the
+# prompt tokens it saves), the prompt is still computed once per group, as a key/value prefix: one forward of the N
+# distinct prompts records each layer's keys and values, and one forward of the B rows' completions attends to its
+# group's prefix through a read-only cache. Tokens: N·(P−1) + B·(1+L) instead of B·(P+L), and each row's attention is
+# (1+L) × (P+L), no larger than in TRL's forward.
+
+
+@dataclasses.dataclass
+class PromptPrefix:
+    prefix_ids: torch.Tensor  # (N, P−1) each distinct prompt but its last token
+    prefix_position_ids: torch.Tensor  # (N, P−1)
+    prefix_allowed: torch.Tensor  # (N, P−1, P−1) bool: causal over the prompt's real tokens
+    row_group: torch.Tensor  # (B,) the prefix row b attends to
+    suffix_ids: torch.Tensor  # (B, 1+L) the prompt's last token, then the completion
+    suffix_position_ids: torch.Tensor  # (B, 1+L): P−1, ..., P+L−1, the positions they have in TRL's row
+    suffix_allowed: torch.Tensor  # (B, 1+L, P−1 + 1+L) bool: the group's real prompt tokens, then causal over itself
+    labels: torch.Tensor  # (B, 1+L) the completion where it is real, −100 elsewhere (TRL's labels, less the prompt)
+
+    @staticmethod
+    def mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """The 4-D mask the attention kernels take as given: boolean for `sdpa`, additive for `eager`."""
+        mask = allowed.unsqueeze(1)
+        if attn_implementation == "sdpa":
+            return mask
+        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
+def split_prompt_prefix(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    min_saving: float = 0.1,
+) -> PromptPrefix | None:
+    """Split rows `[prompt, completion]` (TRL's layout) into one prefix per distinct prompt (same tokens and padding)
+    and each row's suffix `[prompt[-1], completion]`; None if that saves less than `min_saving` of the tokens."""
+    num_rows, width = input_ids.shape
+    L = logits_to_keep
+    P = width - L
+    if P < 2 or num_rows < 2:
+        return None
+    device = input_ids.device
+    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
+    _, row_group = torch.unique(prompts, dim=0, return_inverse=True)
+    num_groups = int(row_group.max()) + 1
+    if num_groups * (P - 1) + num_rows * (1 + L) > (1 - min_saving) * num_rows * width:
+        return None
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=device)
+    first_row[row_group.flip(0)] = torch.arange(num_rows - 1, -1, -1, device=device)  # any row of the group
+    prefix_valid = attention_mask[first_row, : P - 1].bool()  # (N, P−1): left padding is False
+    suffix_valid = attention_mask[:, P - 1 :].bool()  # (B, 1+L): right padding is False
+    # Every query also attends itself, so that none (a padding position) is left with nothing to attend: a fully
+    # masked row gives NaN, which would reach real positions through their zero attention weights on it.
+    prefix_causal = torch.ones(P - 1, P - 1, dtype=torch.bool, device=device).tril()
+    prefix_allowed = prefix_causal & prefix_valid.unsqueeze(1)
+    prefix_allowed |= torch.eye(P - 1, dtype=torch.bool, device=device)
+    suffix_causal = torch.ones(1 + L, 1 + L, dtype=torch.bool, device=device).tril()
+    own = suffix_causal & suffix_valid.unsqueeze(1)
+    own |= torch.eye(1 + L, dtype=torch.bool, device=device)
+    shared = prefix_valid[row_group].unsqueeze(1).expand(-1, 1 + L, -1)
+    labels = input_ids[:, P - 1 :].masked_fill(~suffix_valid, -100)
+    labels[:, 0] = -100  # the prompt's last token is context here; it predicts the first completion token
+    positions = torch.arange(width, device=device)
+    return PromptPrefix(
+        prefix_ids=input_ids[first_row, : P - 1],
+        prefix_position_ids=positions[: P - 1].expand(num_groups, -1),
+        prefix_allowed=prefix_allowed,
+        row_group=row_group,
+        suffix_ids=input_ids[:, P - 1 :],
+        suffix_position_ids=positions[P - 1 :].expand(num_rows, -1),
+        suffix_allowed=torch.cat([shared, own], dim=2),
+        labels=labels,
+    )
+
+
+class _PrefixRecorder:
+    """Duck-typed transformers cache for the prompts' forward: `update` keeps each layer's keys and values and returns
+    them as given (the prompts attend to themselves only). A replay under gradient checkpointing overwrites them with
+    equal values, which nothing reads any more: the completions read a `_PrefixReader` made before."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+
+class _PrefixReader:
+    """Duck-typed transformers cache for the completions' forward: `update` returns the group's prefix in front of the
+    new keys and values, and stores nothing. Being read-only, the completion forward can be replayed under gradient
+    checkpointing and read the same prefix."""
+
+    def __init__(self, recorder: _PrefixRecorder, row_group: torch.Tensor):
+        self.keys, self.values, self.row_group = dict(recorder.keys), dict(recorder.values), row_group
+        self.reads = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.reads += 1
+        keys = torch.cat([self.keys[layer_idx][self.row_group], key_states], dim=-2)
+        values = torch.cat([self.values[layer_idx][self.row_group], value_states], dim=-2)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].size(-2)
+
+
+@contextlib.contextmanager
+def _checkpointed_layers_keep_cache(model: torch.nn.Module):
+    """transformers' gradient-checkpointed layers drop a cache argument (a cache written in the forward would be
+    written again by the backward's replay); a read-only one is safe, and layers that only read may say so with
+    `_can_checkpoint_with_cache`. Set on the layer instances for the duration of the call."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("_can_checkpoint_with_cache", None)
+
+
+def _checkpointed_layers_may_keep_a_cache() -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+
+
+def prefix_survives_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the completions' forward can read the prompt's keys and values under `model`'s gradient checkpointing:
+    yes if no layer is checkpointed; else every checkpointed layer must replay in the graph (non-reentrant, TRL's
+    default: reentrant checkpointing runs a layer without autograd, so the prefix would get none of the completions'
+    gradient) and transformers must let a layer keep a read-only cache (`_can_checkpoint_with_cache`, transformers
+    >= 5.20; before, a checkpointed layer drops any cache)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
+            if not _checkpointed_layers_may_keep_a_cache():
+                return False
+            settings = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None) or {}
+            if settings.get("use_reentrant", True) is not False:
+                return False
+    return True
+
+
+def prefix_forward(
+    model: torch.nn.Module,
+    backbone: torch.nn.Module,
+    prefix: PromptPrefix,
+    attn_implementation: str,
+    dtype: torch.dtype,
+) -> object:
+    """The completions' outputs of TRL's fused-head forward (`log_probs`, `entropy`: (B, L), 0 where a label is
+    masked), with each prompt computed once: `backbone` (the model's decoder, `model.base_model` under any PEFT or
+    accelerate wrapper) runs the N prefixes, then `model` the B suffixes through TRL's fused LM head. Check
+    `prefix_survives_checkpointing(model)` first."""
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    cache_name = ALL_CACHE_NAMES[0]  # "cache" (transformers >= 5.20) or "past_key_values"
+    recorder = _PrefixRecorder()
+    full_attention_only = {"full_attention"}
+    with _checkpointed_layers_keep_cache(backbone):
+        backbone(
+            input_ids=prefix.prefix_ids,
+            attention_mask=dict.fromkeys(
+                full_attention_only, prefix.mask(prefix.prefix_allowed, attn_implementation, dtype)
+            ),
+            position_ids=prefix.prefix_position_ids,
+            use_cache=False,
+            **{cache_name: recorder},
+        )
+        reader = _PrefixReader(recorder, prefix.row_group)
+        outputs = model(
+            input_ids=prefix.suffix_ids,
+            attention_mask=dict.fromkeys(
+                full_attention_only, prefix.mask(prefix.suffix_allowed, attn_implementation, dtype)
+            ),
+            position_ids=prefix.suffix_position_ids,
+            labels=prefix.labels,
+            fused_lm_head=True,
+            **{cache_name: reader},
+        )
+    if reader.reads != len(reader.keys) or not reader.keys:  # a layer ran without its prompt: wrong outputs
+        raise RuntimeError(
+            f"{reader.reads} attention calls read the prompt prefix of {len(reader.keys)} layers recorded: this model's"
+            " layers do not take transformers' cache argument as expected. Set shared_prompt_forward='off'."
+        )
+    return outputs
