@@ -79,15 +79,21 @@ def test_distinct_prompts_are_not_packed_and_savings_are_required():
     assert pack_prompt_groups(ids, mask, L, min_saving=0.99) is None
 
 
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_packed_forward_equals_trls_forward_with_gradients(attn_implementation, checkpointing):
+def tiny_model_with_fused_head(attn_implementation, checkpointing):
+    """The tiny model with TRL's fused LM head, in training mode, checkpointed as TRL does (non-reentrant) if asked."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation=attn_implementation)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    return model
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_forward_equals_trls_forward_with_gradients(attn_implementation, checkpointing):
+    model = tiny_model_with_fused_head(attn_implementation, checkpointing)
     ids, mask, L = grpo_batch(seed=2)
 
     # TRL's forward (`GRPOTrainer._get_per_token_logps_and_entropies`): labels on the completion tokens only.
@@ -209,12 +215,7 @@ def test_prefix_forward_equals_trls_forward_with_gradients(attn_implementation, 
     """Long completions (where packing declines): the prompts run once as a key/value prefix, the completions
     attend to it; the log-probs, entropies and every gradient are TRL's forward's, also when gradient checkpointing
     replays the layers in the backward pass."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), attn_implementation=attn_implementation)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+    model = tiny_model_with_fused_head(attn_implementation, checkpointing)
     ids, mask, L = grpo_batch(seed=4, groups=3, group_size=4, prompt_width=9, completion_width=40, min_completion=38)
     assert pack_prompt_groups(ids, mask, L) is None  # the regime this path is for
 

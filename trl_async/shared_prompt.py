@@ -65,6 +65,17 @@ class PackedRows:
         return values.masked_fill(~in_segment, 0)
 
 
+def _prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int):
+    """(group of each row, one row of each group): rows whose prompts are identical, same tokens and same padding,
+    share a group."""
+    prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], dim=1)
+    _, group_of_row = torch.unique(prompts, dim=0, return_inverse=True)
+    num_rows, num_groups = group_of_row.numel(), int(group_of_row.max()) + 1
+    first_row = torch.zeros(num_groups, dtype=torch.long, device=input_ids.device)
+    first_row[group_of_row.flip(0)] = torch.arange(num_rows - 1, -1, -1, device=input_ids.device)
+    return group_of_row, first_row
+
+
 def pack_prompt_groups(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -80,9 +91,8 @@ def pack_prompt_groups(
     if P < 1 or num_rows < 2:
         return None
     device = input_ids.device
-    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
-    _, group_of_row = torch.unique(prompts, dim=0, return_inverse=True)
-    num_groups = int(group_of_row.max()) + 1
+    group_of_row, first_row = _prompt_groups(input_ids, attention_mask, P)
+    num_groups = first_row.numel()
     # Each row's completion is cut after its last real token: right padding is neither computed nor attended to.
     completion_valid = attention_mask[:, P:].bool()
     real_length = (completion_valid * torch.arange(1, L + 1, device=device)).amax(dim=1)  # (B,) last real token + 1
@@ -108,8 +118,6 @@ def pack_prompt_groups(
 
     # The packed tokens. Row b's segment occupies [starts_b, starts_b + 1 + n_b): the prompt's last token, then its
     # n_b completion tokens. Shorter groups are padded at the end (not attended to, never read).
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device)
-    first_row[group_of_row.flip(0)] = torch.arange(num_rows - 1, -1, -1, device=device)  # any row of the group
     packed = torch.zeros((num_groups, length), dtype=input_ids.dtype, device=device)
     valid = torch.zeros((num_groups, length), dtype=torch.bool, device=device)
     segment = torch.full((num_groups, length), -1, dtype=torch.long, device=device)  # -1: the shared prompt
@@ -193,13 +201,10 @@ def split_prompt_prefix(
     if P < 2 or num_rows < 2:
         return None
     device = input_ids.device
-    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)
-    _, row_group = torch.unique(prompts, dim=0, return_inverse=True)
-    num_groups = int(row_group.max()) + 1
+    row_group, first_row = _prompt_groups(input_ids, attention_mask, P)
+    num_groups = first_row.numel()
     if num_groups * (P - 1) + num_rows * (1 + L) > (1 - min_saving) * num_rows * width:
         return None
-    first_row = torch.zeros(num_groups, dtype=torch.long, device=device)
-    first_row[row_group.flip(0)] = torch.arange(num_rows - 1, -1, -1, device=device)  # any row of the group
     prefix_valid = attention_mask[first_row, : P - 1].bool()  # (N, P−1): left padding is False
     suffix_valid = attention_mask[:, P - 1 :].bool()  # (B, 1+L): right padding is False
     # Every query also attends itself, so that none (a padding position) is left with nothing to attend: a fully
