@@ -491,16 +491,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):  # TRL's chunks, each packed on its own
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             packed = pack_prompt_groups(ids, mask, logits_to_keep)
-            outputs = None
-            if packed is None:
-                outputs = self._prefix_forward(model, ids, mask, logits_to_keep, attn_implementation, dtype)
-            if outputs is not None:
-                logps, entropies = outputs.log_probs, outputs.entropy if compute_entropy else None
-            elif packed is None:
-                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
-                )
-            else:
+            if packed is not None:
                 with self.accelerator.autocast():
                     outputs = model(
                         input_ids=packed.input_ids,
@@ -511,6 +502,14 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                     )
                 logps = packed.unpack(outputs.log_probs)
                 entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+            elif (
+                outputs := self._prefix_forward(model, ids, mask, logits_to_keep, attn_implementation, dtype)
+            ) is not None:
+                logps, entropies = outputs.log_probs, outputs.entropy if compute_entropy else None
+            else:
+                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                )
             all_logps.append(logps)
             all_entropies.append(entropies)
         return torch.cat(all_logps), torch.cat(all_entropies) if compute_entropy else None, None
@@ -522,10 +521,9 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         with other than full-attention layers, or gradient checkpointing that would drop or detach the prefix
         (`prefix_survives_checkpointing`)."""
         unwrapped = self._unwrap(model)
-        config = unwrapped.config
         if self.accelerator.distributed_type != DistributedType.NO or unwrapped is not model:
             return None
-        if set(getattr(config, "layer_types", None) or ["unknown"]) != {"full_attention"}:
+        if set(getattr(unwrapped.config, "layer_types", None) or ["unknown"]) != {"full_attention"}:
             return None
         if torch.is_grad_enabled() and not prefix_survives_checkpointing(unwrapped):
             return None
@@ -534,8 +532,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             return None
         backbone = (unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped).base_model
         with self.accelerator.autocast():
-            outputs = prefix_forward(model, backbone, prefix, attn_implementation, dtype)
-        return outputs
+            return prefix_forward(model, backbone, prefix, attn_implementation, dtype)
 
     def _shared_prompt_forward(self, model) -> tuple[str, torch.dtype] | None:
         """(attention implementation, dtype) when the packed forward applies to `model`, else None."""

@@ -34,6 +34,15 @@ import dataclasses
 import torch
 
 
+def kernel_mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """(N, Q, K) bool "query may attend key" -> the 4-D mask transformers' attention takes as given: boolean for
+    `sdpa`, additive for `eager`."""
+    mask = allowed.unsqueeze(1)
+    if attn_implementation == "sdpa":
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+
+
 @dataclasses.dataclass
 class PackedRows:
     input_ids: torch.Tensor  # (N, S) N prompt groups, packed
@@ -46,12 +55,7 @@ class PackedRows:
     completion_length: int  # L
 
     def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-        """The 4-D mask transformers takes as given: boolean for `sdpa`, additive for `eager`."""
-        mask = self.allowed.unsqueeze(1)
-        if attn_implementation == "sdpa":
-            return mask
-        zero = torch.zeros((), dtype=dtype, device=mask.device)
-        return torch.where(mask, zero, torch.finfo(dtype).min)
+        return kernel_mask(self.allowed, attn_implementation, dtype)
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
         """(N, S−1) outputs of a forward with `labels` (position s−1 scores the label at s, as TRL's fused head returns
@@ -178,14 +182,6 @@ class PromptPrefix:
     suffix_allowed: torch.Tensor  # (B, 1+L, P−1 + 1+L) bool: the group's real prompt tokens, then causal over itself
     labels: torch.Tensor  # (B, 1+L) the completion where it is real, −100 elsewhere (TRL's labels, less the prompt)
 
-    @staticmethod
-    def mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-        """The 4-D mask the attention kernels take as given: boolean for `sdpa`, additive for `eager`."""
-        mask = allowed.unsqueeze(1)
-        if attn_implementation == "sdpa":
-            return mask
-        return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
-
 
 def split_prompt_prefix(
     input_ids: torch.Tensor,
@@ -260,9 +256,6 @@ class _PrefixReader:
         values = torch.cat([self.values[layer_idx][self.row_group], value_states], dim=-2)
         return keys, values
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.keys[layer_idx].size(-2)
-
 
 @contextlib.contextmanager
 def _checkpointed_layers_keep_cache(model: torch.nn.Module):
@@ -320,13 +313,11 @@ def prefix_forward(
 
     cache_name = ALL_CACHE_NAMES[0]  # "cache" (transformers >= 5.20) or "past_key_values"
     recorder = _PrefixRecorder()
-    full_attention_only = {"full_attention"}
+    # Masks given per layer type, as `generate` gives them: the model takes them as they are.
     with _checkpointed_layers_keep_cache(backbone):
         backbone(
             input_ids=prefix.prefix_ids,
-            attention_mask=dict.fromkeys(
-                full_attention_only, prefix.mask(prefix.prefix_allowed, attn_implementation, dtype)
-            ),
+            attention_mask={"full_attention": kernel_mask(prefix.prefix_allowed, attn_implementation, dtype)},
             position_ids=prefix.prefix_position_ids,
             use_cache=False,
             **{cache_name: recorder},
@@ -334,9 +325,7 @@ def prefix_forward(
         reader = _PrefixReader(recorder, prefix.row_group)
         outputs = model(
             input_ids=prefix.suffix_ids,
-            attention_mask=dict.fromkeys(
-                full_attention_only, prefix.mask(prefix.suffix_allowed, attn_implementation, dtype)
-            ),
+            attention_mask={"full_attention": kernel_mask(prefix.suffix_allowed, attn_implementation, dtype)},
             position_ids=prefix.suffix_position_ids,
             labels=prefix.labels,
             fused_lm_head=True,
