@@ -96,6 +96,10 @@ def summarize(runs: list[dict]) -> dict:
         summary["reward_gain_async_minus_sync"] = ratio_stats(
             [by_pair[p]["async"]["reward_gain"] - by_pair[p]["sync"]["reward_gain"] for p in pairs]
         )
+    if all(r["accuracy_after"] is not None for r in runs):  # held-out greedy accuracy at the end, paired by seed
+        summary["accuracy_after_async_minus_sync"] = ratio_stats(
+            [by_pair[p]["async"]["accuracy_after"] - by_pair[p]["sync"]["accuracy_after"] for p in pairs]
+        )
     return summary
 
 
@@ -164,7 +168,6 @@ def main(argv: list[str] | None = None) -> dict:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None] * args.pairs
     except ValueError:
         parser.error(f"--seeds takes comma-separated integers such as 1,2,3, not {args.seeds!r}")
-    args.pairs = len(seeds)
     runs, picture = [], None
     with tempfile.TemporaryDirectory(prefix="bench_main_job_") as tmp:
         for pair, seed in enumerate(seeds):
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "accelerate launch recipes/qwen_math.py [--async_generation false]"
         + (f" --max_steps {args.max_steps}" if args.max_steps else "")
         + (" --seed S" if args.seeds else ""),
-        "pairs": args.pairs,
+        "pairs": len(seeds),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

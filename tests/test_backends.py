@@ -304,6 +304,47 @@ def test_repeated_prompts_are_prefilled_once_and_sample_what_generate_samples(ca
     assert (out.logprobs - reference).abs()[mask].max() < TOLERANCE
 
 
+class _NeedsCurLen:
+    """A user processor that takes a keyword beyond (input_ids, scores), as transformers' API allows."""
+
+    def __call__(self, input_ids, scores, cur_len):
+        return scores - cur_len
+
+
+def test_processors_read_once_process_as_transformers_list_does(monkeypatch):
+    """`_ProcessorsReadOnce` (the list `generate` gets from the μ recording) returns what transformers'
+    `LogitsProcessorList` returns, raises where it raises, and reads each processor's signature once, not per step."""
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
+    from trl_async.rollout import backends
+
+    processors = [
+        MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=5, eos_token_id=2),
+        RepetitionPenaltyLogitsProcessor(1.3),
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(20),
+        TopPLogitsWarper(0.9),
+        _NeedsCurLen(),
+    ]
+    reads = []
+    signature = backends.inspect.signature  # `inspect` is one module: transformers' list reads through it too
+    monkeypatch.setattr(backends.inspect, "signature", lambda f: reads.append(f) or signature(f))
+    ours, theirs = backends._ProcessorsReadOnce(processors), LogitsProcessorList(processors)
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        input_ids = torch.randint(0, 400, (4, 3 + step), generator=g)
+        scores = torch.randn(4, 400, generator=g)
+        reads_before = len(reads)
+        processed = ours(input_ids, scores, cur_len=step)
+        assert len(reads) - reads_before == (len(processors) if step == 0 else 0)  # read at the first step only
+        torch.testing.assert_close(processed, theirs(input_ids, scores, cur_len=step))
+    with pytest.raises(ValueError, match="cur_len") as raised:
+        ours(input_ids, scores)
+    with pytest.raises(ValueError) as expected:
+        theirs(input_ids, scores)
+    assert str(raised.value) == str(expected.value)
+
+
 def test_unseeded_calls_draw_fresh_samples(prompt_ids, grpo_trainer):
     trainer = grpo_trainer()
     model = load_model()

@@ -282,6 +282,50 @@ def test_the_trainer_runs_long_completions_with_the_prompt_as_prefix(tmp_path):
     torch.testing.assert_close(on[1], off[1], atol=1e-5, rtol=1e-5)
 
 
+def test_a_lora_policy_runs_long_completions_with_the_prompt_as_prefix(tmp_path):
+    """LoRA (the recipe's configuration): the prefix runs through the base model's backbone with the adapters in it,
+    and the log-probs and the adapters' gradients equal TRL's forward."""
+    from peft import LoraConfig
+
+    dataset = make_arithmetic_dataset(num_train=32, num_test=4, seed=0)["train"]
+    args = make_args(tmp_path, async_generation=False, gradient_checkpointing=True)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_path(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
+        processing_class=load_tokenizer(),
+        # Random A and B (PEFT's default B = 0 makes the adapters a no-op in the forward): a prefix without them
+        # would give other log-probs.
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )  # fmt: skip
+    model = trainer.model
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    ids, mask, L = grpo_batch(seed=5, groups=2, group_size=4, prompt_width=9, completion_width=40, min_completion=36)
+    weights = torch.linspace(-1.0, 1.0, ids.size(0) * L).view(ids.size(0), L)
+    results = {}
+    for mode in ("off", "on"):
+        trainer.args.shared_prompt_forward = mode
+        tokens, handle = count_tokens(model.get_base_model().base_model)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, L, compute_entropy=True)
+        handle.remove()
+        ((logps * weights).sum() + entropies.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad()
+        results[mode] = (logps.detach(), entropies.detach(), grads, tokens)
+    with torch.no_grad(), model.disable_adapter():
+        trainer.args.shared_prompt_forward = "off"
+        without_adapters = trainer._get_per_token_logps_and_entropies(model, ids, mask, L)[0]
+    assert not torch.allclose(without_adapters, results["off"][0], atol=1e-3)
+    P = ids.size(1) - L
+    assert results["off"][3] == [ids.numel()]
+    assert results["on"][3] == [2 * (P - 1), 8 * (1 + L)]
+    assert results["on"][2] and all("lora_" in name for name in results["on"][2])
+    torch.testing.assert_close(results["on"][0], results["off"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["on"][1], results["off"][1], atol=1e-5, rtol=1e-5)
+    for name, reference in results["off"][2].items():
+        scale = float(reference.abs().max())
+        torch.testing.assert_close(results["on"][2][name], reference, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
 def test_transformers_whose_checkpointed_layers_drop_a_cache_run_trls_forward(tmp_path, monkeypatch):
     """Before transformers 5.20 (no `_can_checkpoint_with_cache`), a checkpointed layer drops any cache argument and
     the completions would run without their prompt: the trainer runs TRL's forward there."""

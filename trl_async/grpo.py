@@ -26,7 +26,7 @@ import os
 import weakref
 
 import torch
-from accelerate.utils import DistributedType, gather, gather_object, is_peft_model
+from accelerate.utils import DistributedType, gather, gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
@@ -530,7 +530,9 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         prefix = split_prompt_prefix(input_ids, attention_mask, logits_to_keep)
         if prefix is None:
             return None
-        backbone = (unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped).base_model
+        # PEFT's `PeftModel` API, duck-typed as in `_generator_spec`: `unwrapped` is already bare, and accelerate's
+        # `is_peft_model` unwraps again and re-reads package metadata (~2 ms at every training step).
+        backbone = (unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped).base_model
         with self.accelerator.autocast():
             return prefix_forward(model, backbone, prefix, attn_implementation, dtype)
 

@@ -26,7 +26,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from .weights import SharedWeightStore
 
@@ -120,6 +120,7 @@ class _SampledTokenLogprobs(LogitsProcessor):
         self._log_normalizer = None
         # Set (by `_recording_behaviour_logprobs`) when another recorder sees exactly the scores this one would.
         self.same_as: _SampledTokenLogprobs | None = None
+        self.result: torch.Tensor | None = None  # set by `finish`; read by a recorder that is `same_as` this one
 
     def _record_previous(self, sampled: torch.Tensor) -> None:
         if self._scores is not None and self._scores.size(0) == sampled.size(0):  # else beam search: see `finish`
@@ -162,9 +163,36 @@ class _SampledTokenLogprobs(LogitsProcessor):
         return torch.stack(steps, dim=1)
 
 
-# `LogitsProcessorList` reads every processor's signature at every decoding step (`inspect.signature`, ~0.1 ms, ~2% of
-# a decoding step on the tiny model); a precomputed `__signature__` is what `inspect` returns at once.
-_SampledTokenLogprobs.__call__.__signature__ = inspect.signature(_SampledTokenLogprobs.__call__)
+class _ProcessorsReadOnce(LogitsProcessorList):
+    """transformers' `LogitsProcessorList`, reading each processor's signature once per `generate` call instead of at
+    every decoding step.
+
+    `LogitsProcessorList.__call__` runs `inspect.signature` on every processor at every step (~0.1 ms each): with
+    `min_new_tokens` (two length processors) and the two μ recorders, 8% of a 64-token batch on the tiny model, one
+    core. The processors do not change during a call, so their parameters are read once; what is called, with which
+    arguments, and the error for a missing keyword are `LogitsProcessorList`'s (`tests/test_backends.py` holds the
+    two to the same results).
+    """
+
+    def __init__(self, processors):
+        super().__init__(processors)
+        self._parameters: dict[int, list[str]] = {}  # id(processor) -> the names of its `__call__` parameters
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        for processor in self:
+            parameters = self._parameters.get(id(processor))
+            if parameters is None:
+                parameters = self._parameters[id(processor)] = list(inspect.signature(processor.__call__).parameters)
+            if len(parameters) > 2:
+                if not all(name in kwargs for name in parameters[2:]):
+                    raise ValueError(
+                        f"Make sure that all the required parameters: {parameters} for {processor.__class__} are "
+                        "passed to the logits processor."
+                    )
+                scores = processor(input_ids, scores, **kwargs)
+            else:
+                scores = processor(input_ids, scores)
+        return scores
 
 
 def _generation_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -198,7 +226,7 @@ def _recording_behaviour_logprobs(
             else:
                 processors.insert(0, policy_recorder)
         processors.append(recorder)
-        return processors
+        return _ProcessorsReadOnce(processors)
 
     target._get_logits_processor = with_recorder
     try:
