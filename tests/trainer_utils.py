@@ -93,6 +93,7 @@ class WeightTracingTrainer(AsyncGRPOTrainer):
         self.true_staleness: list[int] = []
         self.tagged_staleness: list[int] = []
         self.tag_is_true: list[bool] = []
+        self.generating_versions: list[set[int]] = []  # per batch: every version whose weights reproduce μ
         self.loss_versions: list[int] = []
         self.add_callback(_KeepWeights(self))
         self._probe = None
@@ -127,6 +128,7 @@ class WeightTracingTrainer(AsyncGRPOTrainer):
             version = self.state.global_step
             self.loss_versions.append(version)
             generating = self._generating_versions(inputs)
+            self.generating_versions.append(generating)
             tagged = int(inputs["rollout_versions"].min())
             self.true_staleness.append(version - max(generating))
             self.tagged_staleness.append(version - tagged)

@@ -107,6 +107,18 @@ class AsyncGRPOConfig(GRPOConfig):
             "generating on the sharded model would gather it at every decoding step."
         },
     )
+    fixed_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "Research knob for staleness studies (docs/staleness.md): every generation batch is generated with "
+            "exactly the weights max_staleness = fixed_staleness versions older than the version at which it is last "
+            "trained on (batch n with the weights of version n - k on TRL's default schedule), independently of "
+            "timing. The run is an ordinary asynchronous run whose generator weights are held back: the trainer "
+            "waits before publishing each version until the generation process has loaded the previous one, and "
+            "every batch comes from the generation process. The first batches, before k versions exist, use the "
+            "initial weights. Needs weight_sync_steps=1 and a derived queue_capacity. None (default): off.",
+        },
+    )
     generator_startup_timeout: float = field(
         default=600.0,
         metadata={"help": "Seconds to wait for the generation process to load its model and report ready."},
@@ -216,6 +228,8 @@ def ensure_async_fields(args: GRPOConfig) -> GRPOConfig:
     for f in ASYNC_FIELDS:
         if not hasattr(args, f.name):
             setattr(args, f.name, f.default)
+    if args.max_staleness is None and args.fixed_staleness is not None:
+        args.max_staleness = args.fixed_staleness
     if args.max_staleness is None and getattr(args, "gradient_accumulation_steps", None) is not None:
         args.max_staleness = default_max_staleness(args)
         logger.info(
@@ -244,6 +258,11 @@ def validate_async_fields(args) -> None:
         args.loss_type in LOSS_TYPES,
         f"loss_type={args.loss_type!r} is unknown. Use one of {list(LOSS_TYPES)}.",
     )
+    fixed = args.fixed_staleness
+    _check(
+        fixed is None or (isinstance(fixed, int) and not isinstance(fixed, bool) and fixed >= 0),
+        f"fixed_staleness must be None (off) or an integer >= 0, got {fixed!r}.",
+    )
     _check(
         args.max_staleness is None or (isinstance(args.max_staleness, int) and args.max_staleness >= 0),
         f"max_staleness must be None (derived from the schedule) or an integer >= 0 (0 = on-policy), got "
@@ -270,6 +289,24 @@ def validate_async_fields(args) -> None:
         args.shared_prompt_forward in ("auto", "on", "off"),
         f"shared_prompt_forward must be 'auto', 'on' or 'off', got {args.shared_prompt_forward!r}.",
     )
+    if fixed is not None:
+        _check(args.async_generation, "fixed_staleness needs async_generation=True (it holds the generator's weights "
+               "back); unset it for a synchronous run.")  # fmt: skip
+        _check(
+            args.max_staleness == fixed,
+            f"fixed_staleness={fixed} generates every batch exactly max_staleness versions old, but max_staleness="
+            f"{args.max_staleness}. Leave max_staleness unset (it follows fixed_staleness) or set it to {fixed}.",
+        )
+        _check(
+            args.weight_sync_steps == 1,
+            f"fixed_staleness needs every version published (weight_sync_steps=1), got weight_sync_steps="
+            f"{args.weight_sync_steps}.",
+        )
+        _check(
+            args.queue_capacity is None,
+            f"fixed_staleness needs the derived queue_capacity (room for every batch the bound admits), got "
+            f"queue_capacity={args.queue_capacity}. Leave it unset.",
+        )
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)
         _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")

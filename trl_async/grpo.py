@@ -136,6 +136,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                 trainer_generates_while_starting=self.args.trainer_generates_while_starting,
                 startup_timeout=self.args.generator_startup_timeout,
                 heartbeat_timeout=self.args.generator_heartbeat_timeout,
+                fixed_staleness=self.args.fixed_staleness is not None,
             ),
             all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
         )

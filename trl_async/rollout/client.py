@@ -66,6 +66,9 @@ class RolloutSettings:
     trainer_generates_while_starting: bool = True
     startup_timeout: float = 600.0
     heartbeat_timeout: float = 300.0
+    # Hold the generator's weights back: item n is generated with exactly the oldest weights the bound allows (its
+    # last-use version minus max_staleness), for staleness studies (`AsyncGRPOConfig.fixed_staleness`).
+    fixed_staleness: bool = False
 
 
 def publishable_parameters(model: torch.nn.Module) -> tuple[list, list]:
@@ -154,7 +157,10 @@ class RolloutClient:
         # A sharded model cannot `generate` on its own: every decoding step would all-gather the parameters, in
         # lockstep across ranks whose completions end at different lengths (and gathering the whole model for it
         # defeats the sharding). So under sharding the trainer waits for the generation process instead.
-        generates_while_starting = settings.trainer_generates_while_starting and sharding is None
+        # With fixed staleness every batch comes from the generation process, so that its weights are the held-back ones.
+        generates_while_starting = (
+            settings.trainer_generates_while_starting and sharding is None and not settings.fixed_staleness
+        )
         if sharding is not None:
             logger.info(
                 "trl_async: %s: parameters are gathered on every rank for each publish; the trainer waits for the "
@@ -308,6 +314,13 @@ class RolloutClient:
         self._local_trainer_state = trainer_state
         if version % self.settings.weight_sync_steps:
             return 0.0
+        if self.settings.fixed_staleness:
+            # Nothing newer than what the next batch must be generated with, until the generator has loaded it.
+            self.queue.wait_for_loads(
+                version,
+                on_wait=self.check_health,
+                on_idle=None if self._lending is None else functools.partial(self._lending.set_waiting, TRAINER),
+            )  # counted in async/trainer_wait_s
         started = time.perf_counter()
         trainable = dict(publishable_parameters(model)[1])
         self.trainable_store.publish(iter_full_parameters([(n, trainable[n]) for n in self._trainable_names]), version)

@@ -369,6 +369,7 @@ def _generator_main(
                     if on_idle is not None:
                         on_idle(False)
             version = backend.update_weights()
+            rollout_queue.mark_loaded(index)
             payload = producer.produce(index)
             rollout_queue.put(index, version, payload, num_rows=len(payload["rows"]))
             control.beat()
