@@ -74,5 +74,3 @@ def test_fixed_staleness_settings_are_validated(tmp_path):
         make_args(tmp_path, fixed_staleness=0, num_iterations=2)
     assert make_args(tmp_path, fixed_staleness=4).max_staleness == 4
     assert isinstance(make_args(tmp_path, fixed_staleness=4), AsyncGRPOConfig)
-
-

@@ -35,7 +35,15 @@ from trl.trainer.grpo_trainer import logger as trl_logger
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
 from .hub import ModelCardMixin
 from .importance import fold_into_advantages, truncated_importance_weights
-from .losses import m2po_loss, m2po_metrics, m2po_select_global, reference_m2po_loss
+from .losses import m2po_loss, m2po_metrics, m2po_select, m2po_select_global, reference_m2po_loss
+from .offpolicy import (
+    OffPolicyWindow,
+    importance_weight_sums,
+    log_histogram_to_trackers,
+    m2po_offpolicy_sums,
+    offpolicy_sums,
+    row_age_counts,
+)
 from .rewards import is_tensor_reward
 from .rollout import GeneratorSpec, ModelSpec
 from .rollout.client import RolloutClient, RolloutSettings
@@ -126,6 +134,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
+        self._offpolicy_window: dict[str, OffPolicyWindow] = {}  # `offpolicy/*` of the logging window, per mode
         self._rollout = RolloutClient(
             RolloutSettings(
                 max_staleness=self.args.max_staleness,
@@ -345,8 +354,8 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         output["rollout_versions"] = torch.full(
             (output["completion_ids"].size(0),), batch.version, device=output["completion_ids"].device
         )
-        if self._corrects_behaviour(output) and "old_per_token_logps" in output:
-            self._apply_behaviour_correction(output, output["old_per_token_logps"])
+        if "old_per_token_logps" in output:  # π_old is known now (a batch used across optimizer steps)
+            self._treat_behaviour_mismatch(output, output["old_per_token_logps"])
         return output
 
     def _generate(self, prompts: list):
@@ -419,6 +428,40 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             and (async_field(self.args, "max_staleness") or 0) > 0
         )
 
+    @staticmethod
+    def _has_behaviour(inputs: dict) -> bool:
+        """Rows sampled by the rollout engine, with their behaviour log-probs μ."""
+        return "rollout_versions" in inputs and "sampling_per_token_logps" in inputs
+
+    def _treat_behaviour_mismatch(self, inputs: dict, old_logps: torch.Tensor) -> None:
+        """Rows with μ, once π_old is known: TRL's importance correction where it applies (`_corrects_behaviour`), and
+        the `offpolicy/*` diagnostics of π_old against μ either way (with nothing masked or clipped without it)."""
+        if self._corrects_behaviour(inputs):
+            self._apply_behaviour_correction(inputs, old_logps)
+        elif self._has_behaviour(inputs):
+            mask = self._loss_mask(inputs)
+            self._record_offpolicy("train", offpolicy_sums(old_logps - inputs["sampling_per_token_logps"], mask))
+
+    @staticmethod
+    def _loss_mask(inputs: dict) -> torch.Tensor:
+        mask = inputs["completion_mask"]
+        return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+    def _record_offpolicy(self, mode: str, sums: torch.Tensor) -> None:
+        """One batch's `offpolicy_sums`, summed over ranks, into the logging window (see `trl_async.offpolicy`)."""
+        sums = self.accelerator.reduce(sums.to(torch.float64), reduction="sum")
+        self.__dict__.setdefault("_offpolicy_window", {}).setdefault(mode, OffPolicyWindow()).add_batch(sums)
+
+    def _record_row_ages(self, inputs: dict) -> None:
+        """The age of every row entering this loss (the trainer's version minus the generating version), summed over
+        ranks into the logging window's histogram (`offpolicy/row_age_*`)."""
+        if not (self.model.training and "rollout_versions" in inputs):
+            return
+        ages = self.state.global_step - inputs["rollout_versions"]
+        max_age = int(async_field(self.args, "max_staleness") or 0)
+        counts = self.accelerator.reduce(row_age_counts(ages, max_age).to(ages.device), reduction="sum")
+        self.__dict__.setdefault("_offpolicy_window", {}).setdefault("train", OffPolicyWindow()).add_ages(counts)
+
     @torch.no_grad()
     def _apply_behaviour_correction(self, inputs: dict, old_logps: torch.Tensor) -> None:
         """TRL's truncated importance weight w = π_old/μ (`vllm_importance_sampling_*` semantics), applied as TRL
@@ -436,6 +479,17 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             mode=args.vllm_importance_sampling_mode,
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
+        )
+        self._record_offpolicy(
+            "train",
+            importance_weight_sums(
+                old_logps - inputs["sampling_per_token_logps"],
+                mask,
+                weights,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            ),
         )
         if self.loss_type == "vespo":
             inputs["importance_sampling_ratio"] = weights
@@ -571,11 +625,12 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         """Adds `loss_type="m2po"` to `GRPOTrainer._compute_loss`. Every other loss type is TRL's; for rollout rows
         that still need TRL's importance correction (see `_generate_and_score_completions`), the weight is taken from
         TRL's own forward in this call."""
+        self._record_row_ages(inputs)
         if self.loss_type == "m2po":
             return self._compute_m2po_loss(model, inputs)
-        if self.model.training and self._corrects_behaviour(inputs) and "old_per_token_logps" not in inputs:
+        if self.model.training and self._has_behaviour(inputs) and "old_per_token_logps" not in inputs:
             inputs = dict(inputs)  # the buffered batch stays unweighted
-            with self._observe_policy_logps(lambda logps: self._apply_behaviour_correction(inputs, logps)):
+            with self._observe_policy_logps(lambda logps: self._treat_behaviour_mismatch(inputs, logps)):
                 return super()._compute_loss(model, inputs)
         return super()._compute_loss(model, inputs)
 
@@ -609,13 +664,15 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
             normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
         if args.m2po_variant == "m2po":
             floors = dict(clip_floor_low=args.m2po_clip_floor_low, clip_floor_high=args.m2po_clip_floor_high)
-            selection = None
+            adv = advantages.detach().unsqueeze(1) if advantages.dim() == 1 else advantages.detach()
+            delta = per_token_logps.detach() - behaviour
             if args.m2po_scope == "global" and mode == "train":
                 # The whole optimizer batch (gradient_accumulation_steps=1: this micro-batch on every rank).
-                adv = advantages.detach().unsqueeze(1) if advantages.dim() == 1 else advantages.detach()
-                selection = m2po_select_global(
-                    per_token_logps.detach() - behaviour, mask, args.m2po_threshold, adv, args.m2po_rule, **floors
-                )
+                selection = m2po_select_global(delta, mask, args.m2po_threshold, adv, args.m2po_rule, **floors)
+            else:
+                selection = m2po_select(delta, mask, args.m2po_threshold, adv, args.m2po_rule, **floors)
+            if "sampling_per_token_logps" in inputs:
+                self._record_offpolicy(mode, m2po_offpolicy_sums(delta, mask, selection))
             loss, stats = m2po_loss(
                 per_token_logps, behaviour, advantages, mask, threshold=args.m2po_threshold, normalizer=normalizer,
                 rule=args.m2po_rule, selection=selection, **floors,
@@ -699,6 +756,14 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         if window is not None:
             for key, value in m2po_metrics(window).items():
                 self._metrics[mode][f"m2po/{key}"] = [value]
+        offpolicy = self.__dict__.get("_offpolicy_window", {}).pop(mode, None)
+        if offpolicy is not None:
+            for key, value in offpolicy.metrics().items():
+                self._metrics[mode][key] = [value]
+            if self.accelerator.is_main_process:
+                log_histogram_to_trackers(
+                    self.callback_handler.callbacks, "offpolicy/row_age", offpolicy.age_counts, self.state.global_step
+                )
         super().log(logs, start_time)
 
     def _log_async_window(self) -> None:

@@ -43,7 +43,8 @@ from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 from .config import AsyncPPOConfig, grpo_view_of_ppo_args
 from .grpo import AsyncGRPOTrainer
 from .importance import truncated_importance_weights
-from .losses import m2po_loss
+from .losses import m2po_loss, m2po_select
+from .offpolicy import importance_weight_sums, m2po_offpolicy_sums, offpolicy_sums
 from .ppo_math import gae, kl_shaped_rewards, masked_whiten, per_token_kl, ppo_policy_loss, value_loss
 
 CRITIC_ADAPTER = "critic"  # name of the critic's LoRA adapter under PEFT (never the active, published adapter)
@@ -495,6 +496,10 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
         (`_behaviour_logps`)."""
         return False
 
+    def _treat_behaviour_mismatch(self, inputs: dict, old_logps: Tensor) -> None:
+        """Replaces `AsyncGRPOTrainer._treat_behaviour_mismatch` with nothing: PPO's loss applies the weight π_old/μ
+        and records the `offpolicy/*` diagnostics itself (`_compute_loss`)."""
+
     def _behaviour_logps(self, inputs: dict) -> Tensor | None:
         """μ where PPO-clip gets the truncated importance weight π_old/μ: `AsyncGRPOTrainer`'s rule (rows from the
         queue, `max_staleness > 0`, `vllm_importance_sampling_correction`). None otherwise: μ is π_old (on-policy)."""
@@ -521,6 +526,7 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = completion_ids.size(1)
         mask = inputs["loss_mask"]
+        self._record_row_ages(inputs)
         per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
         )
@@ -530,16 +536,20 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
         extra = {}
         if self.loss_type == "m2po":
             behaviour = inputs.get("sampling_per_token_logps", old_logps)
-            policy_loss, stats = m2po_loss(
-                per_token_logps,
-                behaviour,
-                advantages,
+            delta = per_token_logps.detach() - behaviour
+            selection = m2po_select(
+                delta,
                 mask,
-                threshold=args.m2po_threshold,
-                normalizer=normalizer,
-                rule=args.m2po_rule,
+                args.m2po_threshold,
+                advantages.detach(),
+                args.m2po_rule,
                 clip_floor_low=args.m2po_clip_floor_low,
                 clip_floor_high=args.m2po_clip_floor_high,
+            )
+            if "sampling_per_token_logps" in inputs and mode == "train":
+                self._record_offpolicy(mode, m2po_offpolicy_sums(delta, mask, selection))
+            policy_loss, stats = m2po_loss(
+                per_token_logps, behaviour, advantages, mask, normalizer=normalizer, selection=selection
             )
             self._record_m2po_stats(mode, stats)  # `m2po/*`, token-weighted over the logging window, as in GRPO
             ratio = torch.exp(per_token_logps.detach() - old_logps)
@@ -547,6 +557,7 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
             clipfrac = clipfrac / mask.sum().clamp(min=1)
             approx_kl = (per_token_kl(old_logps, per_token_logps.detach(), mask, "k3")).sum() / mask.sum().clamp(min=1)
         else:
+            self._record_ppo_offpolicy(inputs, old_logps, mask, mode)
             policy = ppo_policy_loss(
                 per_token_logps,
                 old_logps,
@@ -576,6 +587,37 @@ class AsyncPPOTrainer(AsyncGRPOTrainer):
             },
         )
         return loss
+
+    def _record_ppo_offpolicy(self, inputs: dict, old_logps: Tensor, mask: Tensor, mode: str) -> None:
+        """`offpolicy/*` of π_old against μ for the PPO-clip loss: the truncated weight where `ppo_policy_loss` applies
+        it (`_behaviour_logps`), nothing masked or clipped otherwise."""
+        if mode != "train" or "sampling_per_token_logps" not in inputs:
+            return
+        delta = old_logps - inputs["sampling_per_token_logps"]
+        behaviour = self._behaviour_logps(inputs)
+        if behaviour is None:
+            self._record_offpolicy(mode, offpolicy_sums(delta, mask))
+            return
+        args = self.args
+        weights = truncated_importance_weights(
+            old_logps,
+            behaviour,
+            mask.float(),
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+        self._record_offpolicy(
+            mode,
+            importance_weight_sums(
+                delta,
+                mask,
+                weights,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            ),
+        )
 
     def _log_loss_metrics(self, mode: str, mask: Tensor, means: dict[str, Tensor]) -> None:
         """Per micro-batch, token-weighted over processes: each value is a mean over this micro-batch's valid tokens."""

@@ -1,0 +1,232 @@
+"""`offpolicy/*` diagnostics: the pure sums against loops written by hand, and in real runs against log-probs
+recomputed here from the model (a plain forward, not the trainer's) and μ from the batch."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
+
+from trl_async.data import make_arithmetic_dataset
+from trl_async.importance import truncated_importance_weights
+from trl_async.offpolicy import (
+    OFFPOLICY_SUM_KEYS,
+    OffPolicyWindow,
+    importance_weight_sums,
+    offpolicy_sums,
+    row_age_counts,
+)
+
+
+def _random_case(seed: int, rows=5, width=7):
+    rng = random.Random(seed)
+    delta = [[rng.gauss(0.0, 0.7) for _ in range(width)] for _ in range(rows)]
+    lengths = [rng.randint(0, width) for _ in range(rows)]
+    mask = [[1 if t < lengths[r] else 0 for t in range(width)] for r in range(rows)]
+    kept = [[rng.random() < 0.7 for _ in range(width)] for _ in range(rows)]
+    after = [[d * 0.5 for d in row] for row in delta]
+    clipped = [[rng.random() < 0.2 for _ in range(width)] for _ in range(rows)]
+    masked_rows = [rng.random() < 0.3 for _ in range(rows)]
+    return delta, mask, kept, after, clipped, masked_rows
+
+
+def _by_hand(delta, mask, kept, after, clipped, masked_rows):
+    sums = dict.fromkeys(OFFPOLICY_SUM_KEYS, 0.0)
+    for r, row in enumerate(delta):
+        row_has_token = False
+        for t, d in enumerate(row):
+            if not mask[r][t]:
+                continue
+            row_has_token = True
+            sums["tokens"] += 1
+            sums["delta_sq"] += d * d
+            sums["weight_sum"] += math.exp(d)
+            sums["weight_sq_sum"] += math.exp(2 * d)
+            if kept[r][t]:
+                sums["kept_tokens"] += 1
+                sums["delta_sq_kept"] += after[r][t] ** 2
+            else:
+                sums["masked_tokens"] += 1
+            sums["clipped_tokens"] += bool(clipped[r][t])
+        if row_has_token:
+            sums["rows"] += 1
+            sums["masked_rows"] += bool(masked_rows[r])
+    return [sums[k] for k in OFFPOLICY_SUM_KEYS]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_offpolicy_sums_equal_a_loop_over_tokens(seed):
+    case = _random_case(seed)
+    delta, mask, kept, after, clipped, masked_rows = case
+    got = offpolicy_sums(
+        torch.tensor(delta, dtype=torch.float64),
+        torch.tensor(mask),
+        kept=torch.tensor(kept),
+        delta_after=torch.tensor(after, dtype=torch.float64),
+        clipped=torch.tensor(clipped),
+        masked_rows=torch.tensor(masked_rows),
+    )
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(_by_hand(*case), rel=1e-9, abs=1e-12)
+
+
+def test_defaults_keep_every_valid_token_unclipped():
+    delta, mask, *_ = _random_case(7)
+    rows, width = len(delta), len(delta[0])
+    got = offpolicy_sums(torch.tensor(delta, dtype=torch.float64), torch.tensor(mask))
+    everything = [[True] * width for _ in range(rows)]
+    nothing = [[False] * width for _ in range(rows)]
+    assert got.tolist() == pytest.approx(_by_hand(delta, mask, everything, delta, nothing, [False] * rows))
+
+
+def test_window_metrics_are_token_weighted_and_ess_is_per_batch():
+    window = OffPolicyWindow()
+    first = [[0.0, 0.0, 0.0, 0.0]]  # on-policy: every weight 1, ESS 1
+    second = [[math.log(4.0), 0.0]]  # weights 4 and 1: ESS (5)^2 / (2 * 17)
+    window.add_batch(offpolicy_sums(torch.tensor(first), torch.ones(1, 4)))
+    window.add_batch(offpolicy_sums(torch.tensor(second), torch.ones(1, 2)))
+    window.add_ages(torch.tensor([3.0, 0.0, 2.0]))  # three rows of age 0, two of age 2
+    metrics = window.metrics()
+    assert metrics["offpolicy/ess"] == pytest.approx((1.0 + 25.0 / 34.0) / 2)
+    assert metrics["offpolicy/ess_min"] == pytest.approx(25.0 / 34.0)
+    assert metrics["offpolicy/delta_sq_before"] == pytest.approx(math.log(4.0) ** 2 / 6)  # over all 6 tokens
+    assert metrics["offpolicy/delta_sq_after"] == pytest.approx(math.log(4.0) ** 2 / 6)
+    assert metrics["offpolicy/masked_fraction"] == 0.0
+    assert (metrics["offpolicy/row_age_min"], metrics["offpolicy/row_age_max"]) == (0.0, 2.0)
+    assert metrics["offpolicy/row_age_mean"] == pytest.approx(4.0 / 5.0)
+
+
+def test_row_age_counts_put_older_rows_in_the_last_bucket():
+    counts = row_age_counts(torch.tensor([0, 2, 2, 1, 7]), max_age=2)
+    assert counts.tolist() == [1.0, 1.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weight_sums_follow_trls_weight(mode):
+    generator = torch.Generator().manual_seed(3)
+    old = torch.randn(6, 5, generator=generator) * 0.2 - 1.0
+    mu = old + torch.randn(6, 5, generator=generator) * 1.2
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 5, 1, 4, 2])[:, None]).long()
+    clip_min, clip_max = 0.5, 2.0
+    weights = truncated_importance_weights(old, mu, mask, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    got = dict(zip(OFFPOLICY_SUM_KEYS, importance_weight_sums(
+        old - mu, mask, weights, mode=mode, clip_min=clip_min, clip_max=clip_max).tolist(), strict=True))  # fmt: skip
+    # By hand: the ratio per token or per row, where it lands against [0.5, 2].
+    kept = masked = clipped = masked_rows = 0
+    after_sq = 0.0
+    for r in range(6):
+        n = int(mask[r].sum())
+        row_log = float(sum(old[r, t] - mu[r, t] for t in range(n)))
+        for t in range(n):
+            log_ratio = row_log if mode.startswith("sequence") else float(old[r, t] - mu[r, t])
+            outside = not (clip_min <= math.exp(log_ratio) <= clip_max)
+            if mode.endswith("mask") and outside:
+                masked += 1
+                continue
+            kept += 1
+            clipped += mode.endswith("truncate") and outside
+            if mode.startswith("sequence"):
+                after_sq += float(old[r, t] - mu[r, t]) ** 2
+            else:
+                after_sq += min(max(log_ratio, math.log(clip_min)), math.log(clip_max)) ** 2
+        if mode == "sequence_mask" and n and not (clip_min <= math.exp(row_log) <= clip_max):
+            masked_rows += 1
+    assert (got["kept_tokens"], got["masked_tokens"], got["clipped_tokens"]) == (kept, masked, clipped)
+    assert got["masked_rows"] == masked_rows
+    assert got["delta_sq_kept"] == pytest.approx(after_sq, rel=1e-5)
+    assert kept and (masked or clipped)  # the case exercises the treatment
+
+
+# ----------------------------------------------------------------------------------------------- in a real run
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
+
+
+class _RecomputingTrainer(WeightTracingTrainer):
+    """Records, per optimizer step, E[δ²] and the ESS of π_old/μ recomputed with a plain forward of the current model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recomputed: dict[int, tuple[float, float]] = {}
+
+    def _compute_loss(self, model, inputs):
+        if self.model.training and "sampling_per_token_logps" in inputs:
+            with torch.no_grad():
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+                attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+                width = inputs["completion_ids"].size(1)
+                logits = self.accelerator.unwrap_model(self.model)(input_ids=ids, attention_mask=attention).logits
+                logits = logits[:, -width - 1 : -1].float() / self.temperature
+                logps = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+            valid = inputs["completion_mask"].bool()
+            delta = (logps - inputs["sampling_per_token_logps"])[valid].double()
+            weights = delta.exp()
+            ess = float(weights.sum() ** 2 / (delta.numel() * weights.square().sum()))
+            self.recomputed[self.state.global_step] = (float(delta.square().mean()), ess)
+        return super()._compute_loss(model, inputs)
+
+
+def _logged(trainer, key):
+    return {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_staleness(tmp_path, dataset, tokenizer, k):
+    args = make_args(
+        tmp_path, max_steps=8, loss_type="dapo", fixed_staleness=k, vllm_importance_sampling_correction=False
+    )
+    trainer = _RecomputingTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    delta_sq, ess = _logged(trainer, "offpolicy/delta_sq_before"), _logged(trainer, "offpolicy/ess")
+    ages = _logged(trainer, "offpolicy/row_age_mean")
+    assert sorted(delta_sq) == list(range(1, 9))  # every step logged it (log step = version after the step)
+    for version, (expected_delta_sq, expected_ess) in trainer.recomputed.items():
+        assert delta_sq[version + 1] == pytest.approx(expected_delta_sq, rel=1e-3, abs=1e-9)
+        assert ess[version + 1] == pytest.approx(expected_ess, rel=1e-4)
+    # Nothing is treated without the correction: after = before.
+    assert _logged(trainer, "offpolicy/delta_sq_after") == pytest.approx(delta_sq)
+    # Row ages against the weights that really generated each batch (one batch per step here).
+    for version, generating in zip(trainer.loss_versions, trainer.generating_versions, strict=True):
+        assert version - ages[version + 1] in generating
+    if k == 0:
+        assert max(delta_sq.values()) < 1e-8 and min(ess.values()) > 1 - 1e-6
+    else:  # filled pipeline: rows 3 versions old, the ratio spread out
+        filled = [v for v in delta_sq if v > k]
+        assert min(delta_sq[v] for v in filled) > 1e-4
+        assert max(ess[v] for v in filled) < 1 - 1e-5
+        assert all(ages[v] == k for v in filled)
+
+
+def test_m2po_sums_count_masked_and_clipped_tokens_of_the_selection():
+    from trl_async.losses import m2po_select
+    from trl_async.offpolicy import m2po_offpolicy_sums
+
+    generator = torch.Generator().manual_seed(5)
+    delta = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 0.6
+    mask = (torch.arange(6)[None] < torch.tensor([6, 4, 6, 2])[:, None]).long()
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-2.0]], dtype=torch.float64)
+    paper = m2po_select(delta, mask, 0.04, advantages, "paper")
+    sums = dict(zip(OFFPOLICY_SUM_KEYS, m2po_offpolicy_sums(delta, mask, paper).tolist(), strict=True))
+    valid = mask.bool()
+    keep = paper.keep & valid
+    assert 0 < keep.sum() < valid.sum()
+    assert sums["masked_tokens"] == float((valid & ~keep).sum())
+    assert sums["delta_sq_kept"] == pytest.approx(float(delta[keep].square().sum()))
+    authors = m2po_select(delta, mask, 0.04, advantages, "authors_code")
+    assert authors.clipped is not None and authors.clipped.any()
+    sums = dict(zip(OFFPOLICY_SUM_KEYS, m2po_offpolicy_sums(delta, mask, authors).tolist(), strict=True))
+    assert sums["clipped_tokens"] == float((authors.clipped & valid).sum())
+    bound = torch.where(delta > 0, authors.clip_log_high, authors.clip_log_low).to(torch.float64)
+    expected = torch.where(authors.clipped, bound, delta)[(authors.keep | authors.clipped) & valid]
+    assert sums["delta_sq_kept"] == pytest.approx(float(expected.square().sum()))
