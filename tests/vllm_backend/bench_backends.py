@@ -33,7 +33,9 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--out",
-        default=os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "bench_vllm_backends.json"),
+        default=os.path.join(
+            os.path.dirname(__file__), "..", "..", "benchmarks", "results", "bench_vllm_backends.json"
+        ),
         help="JSON results path",
     )
     args = parser.parse_args()
