@@ -2,7 +2,7 @@
 
     python benchmarks/bench_is_modes.py                 # 3 modes x max_staleness 1, 2, 4 x 3 seeds, 80 steps each
     python benchmarks/bench_is_modes.py --quick         # 1 seed, 20 steps
-    python benchmarks/bench_is_modes.py --learning-rate 1e-4 --steps 100 --tag _lr1e-4   # the README's second table
+    python benchmarks/bench_is_modes.py --learning-rate 1e-4 --steps 100 --tag _lr1e-4   # what run_all runs
 
 TRL tuned `vllm_importance_sampling_mode="sequence_mask"` with C=3 for the small numerical drift between vLLM and the
 trainer. Asynchronous rows differ by one to four optimizer steps of policy lag, a larger shift. For each mode

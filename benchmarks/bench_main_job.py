@@ -27,7 +27,7 @@ command, the mean reward of the first and last quarter of steps and their gain, 
 before and after (eval.json). Summary: medians per mode, and the paired ratios sync/async of training seconds
 (> 1: asynchronous generation is faster) with their min, median and max. Writes
 benchmarks/results/bench_main_job.json, a PNG of the runs beside it, and copies the first asynchronous run's
-reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture README shows; same-cores
+reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture RESULTS.md shows; same-cores
 regime, default job only). Under `accelerate_launch` the default output is benchmarks/results/bench_main_job_accelerate.json.
 """
 
@@ -50,7 +50,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 RECIPE = os.path.join(ROOT, "recipes", "qwen_math.py")
 MODES = {"async": [], "sync": ["--async_generation", "false"]}
-# How each regime starts a script: the interpreter, or accelerate's launcher (one process, as README's command).
+# How each regime starts a script: the interpreter, or accelerate's launcher (one process, as README's quick start).
 LAUNCHERS = {
     "same_cores": [sys.executable],
     "accelerate_launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append(record)
                 print(f"pair {pair} {mode}: {record['train_seconds']:.1f} s training, reward gain "
                       f"{record['reward_gain']}", flush=True)  # fmt: skip
-                # README shows the default job's picture (same cores), not a shortened one
+                # RESULTS.md shows the default job's picture (same cores), not a shortened one
                 full_job = args.max_steps is None and args.seeds is None and not recipe_args
                 full_job = full_job and args.regime == "same_cores"
                 if full_job and picture is None and mode == "async":

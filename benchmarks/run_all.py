@@ -365,11 +365,12 @@ def command_argv(bench: Benchmark, mode: str, args: argparse.Namespace) -> list[
     return [part.format(**values) for part in shlex.split(bench.commands[mode])]
 
 
-def command_text(bench: Benchmark, mode: str) -> str:
-    """The command as a user would type it, from the repository root (results under benchmarks/results)."""
+def command_text(bench: Benchmark, mode: str, results_dir: str = RESULTS_DIR) -> str:
+    """The command as a user would type it, from the repository root."""
+    results = os.path.relpath(results_dir, ROOT)
     values = {
         "python": "python",
-        "results": "benchmarks/results",
+        "results": results if not results.startswith("..") else results_dir,
         "trl_repo": "TRL_CLONE",
         "vllm_python": "VLLM_PYTHON",
     }
@@ -408,7 +409,7 @@ def run_benchmark(bench: Benchmark, mode: str, args: argparse.Namespace) -> bool
     output = os.path.join(args.results_dir, bench.output)
     if os.path.exists(output):
         os.remove(output)  # a failed run must not leave the previous figures under this run's stamp
-    stamp = {"mode": mode, "command": command_text(bench, mode), "argv": argv,
+    stamp = {"mode": mode, "command": command_text(bench, mode, args.results_dir), "argv": argv,
              "environment": {k: v for k, v in bench.env.items()}, "machine": machine(), "git": git_commit(),
              "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
              "load_average_at_start": load_average()}  # fmt: skip
