@@ -17,7 +17,12 @@ A benchmark that run_all has not (re)run yet is rendered from its earlier measur
 
 Adding a benchmark: append a `Benchmark` to REGISTRY (its name, title, output JSON, commands per mode, renderer and,
 optionally, rows for the results table); write the renderer in benchmarks/render_results.py (or start with
-`render_generic`). The order of REGISTRY is the order of the runs and of RESULTS.md.
+`render_generic`), and a fixture for it in tests/test_run_all.py. The order of REGISTRY is the order of the runs and
+of RESULTS.md. For example:
+
+    Benchmark("staleness", "Learning against max_staleness", "bench_staleness.json",
+              {"full": "{python} benchmarks/bench_staleness.py --output {results}/bench_staleness.json"},
+              R.render_generic, env=NO_THREAD_SETTINGS)
 
 Timing benchmarks want a quiet machine: run nothing else meanwhile. Each one gives both arms the same cores (its
 docstring says how); the load average at the start and end of each benchmark is kept in its stamp.
