@@ -95,6 +95,11 @@ def fmt_mean_se(values: Sequence[float], digits: int = 3, signed: bool = False) 
     return f"{mean:{sign}.{digits}f} ± {se:.{digits}f}"
 
 
+def se_note(n: int, unit: str) -> str:
+    """What a `±` next to it means: `mean ± standard error over 3 seeds`; one value has no error estimate."""
+    return f"mean ± standard error over {n} {unit}s" if n > 1 else f"one {unit}, no error estimate"
+
+
 def num(value, spec: str = ".3f") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
@@ -261,11 +266,11 @@ def render_main_job_seeds(section: Section) -> str:
     sync_gain = [p["sync"]["reward_gain"] for p in pairs]
     out += [
         "",
-        f"- Held-out accuracy after training, async − sync: {fmt_mean_se(acc_diff, signed=True)} (mean ± standard "
-        f"error over {len(pairs)} seeds); async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}. "
+        f"- Held-out accuracy after training, async − sync: {fmt_mean_se(acc_diff, signed=True)} "
+        f"({se_note(len(pairs), 'seed')}); async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}. "
         f"Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
-        f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} (mean ± standard error over "
-        f"{len(pairs)} seeds); the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
+        f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} ({se_note(len(pairs), 'seed')}); "
+        "the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
     ]
     links = [
         section.link(os.path.splitext(f)[0] + ".png", f"runs of {os.path.basename(f)}")
@@ -283,7 +288,7 @@ def summary_main_job_seeds(section: Section) -> list[Row]:
     return [
         (
             "The main job's held-out greedy accuracy after training, asynchronous − synchronous, one pair per seed",
-            f"{fmt_mean_se(acc_diff, signed=True)} (mean ± standard error over {len(pairs)} seeds)",
+            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')})",
         )
     ]
 
@@ -335,7 +340,7 @@ def render_docs_style(section: Section) -> str:
     if rewards["trl"] and rewards["async"]:
         out.append(
             f"- Mean logged reward of the last quarter of logs: GRPOTrainer {fmt_mean_se(rewards['trl'])}, "
-            f"AsyncGRPOTrainer {fmt_mean_se(rewards['async'])} (mean ± standard error over {len(pairs)} runs)."
+            f"AsyncGRPOTrainer {fmt_mean_se(rewards['async'])} ({se_note(len(pairs), 'run')})."
         )
     logs = [p["async"].get("async_last_log") for p in pairs if p["async"].get("async_last_log")]
     if logs:
@@ -354,7 +359,8 @@ def render_docs_style(section: Section) -> str:
 def summary_docs_style(section: Section) -> list[Row]:
     return [
         (
-            "A TRL-docs-style GRPO script (plain `GRPOConfig`, 120 steps), `GRPOTrainer` vs `AsyncGRPOTrainer`, "
+            f"A TRL-docs-style GRPO script (plain `GRPOConfig`, {section.first.get('summary', {}).get('steps')} "
+            "steps), `GRPOTrainer` vs `AsyncGRPOTrainer`, "
             "both on every core: training time",
             f"**{fmt_ratio(docs_style_speedups(section.first))}**",
         )
@@ -719,7 +725,7 @@ def summary_ppo(section: Section) -> list[Row]:
             f"`AsyncPPOTrainer` on the tiny model, {settings.get('steps')} steps × {settings.get('rows_per_step')} "
             "rows: reward gain (last quarter − first)",
             f"PPO {fmt_mean_se(ppo_gains(data, 'ppo'), signed=True)}, GRPO "
-            f"{fmt_mean_se(ppo_gains(data, 'grpo'), signed=True)} (mean ± standard error over {n} seeds)",
+            f"{fmt_mean_se(ppo_gains(data, 'grpo'), signed=True)} ({se_note(n, 'seed')})",
         )
     ]
 

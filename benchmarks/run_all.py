@@ -449,13 +449,15 @@ class Loaded:
     stamp: dict | None = None
 
 
-def load(bench: Benchmark, results_dir: str, doc_dir: str) -> Loaded:
+def load(bench: Benchmark, results_dir: str, doc_dir: str, earlier_dir: str = RESULTS_DIR) -> Loaded:
+    """The benchmark's results: its own file in `results_dir`, else its earlier measurement under `earlier_dir`
+    (the repository's results folder: earlier measurements are committed files), else nothing."""
     output = os.path.join(results_dir, bench.output)
     files, status = [output], "run_all"
     if not os.path.exists(output):
         if bench.earlier is None:
             return Loaded(bench, "missing", None)
-        files, status = [os.path.join(results_dir, f) for f in bench.earlier.files], "earlier"
+        files, status = [os.path.join(earlier_dir, f) for f in bench.earlier.files], "earlier"
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
             raise FileNotFoundError(f"{bench.name}: the earlier measurement {missing[0]} is missing")
@@ -524,7 +526,7 @@ def results_table(loaded: list[Loaded], doc_dir: str) -> str:
 
 def render(args: argparse.Namespace, mode_run: str | None, failures: list[str]) -> str:
     doc_dir = os.path.dirname(os.path.abspath(args.output))
-    loaded = [load(b, args.results_dir, doc_dir) for b in REGISTRY]
+    loaded = [load(b, args.results_dir, doc_dir, args.earlier_dir) for b in REGISTRY]
     missing = [item.bench.name for item in loaded if item.status == "missing"]
     if args.strict and missing:
         raise SystemExit(f"--strict: no results for {', '.join(missing)}")
@@ -603,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-repo", help="a TRL git clone: runs TRL's own GRPO tests with the class swapped (full)")
     parser.add_argument("--vllm-python", help="the vLLM environment's interpreter: runs the vLLM benchmarks (full)")
     parser.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON files are (default: %(default)s)")
+    parser.add_argument("--earlier-dir", default=RESULTS_DIR, help="the folder the registry's earlier measurements "
+                        "are relative to (default: %(default)s)")  # fmt: skip
     parser.add_argument("--output", help="the markdown to write (default: benchmarks/RESULTS.md; with another "
                         "--results-dir, RESULTS.md inside it)")  # fmt: skip
     parser.add_argument("--readme", help="README whose results table to update between its markers (default: "
@@ -611,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     args.results_dir = os.path.abspath(args.results_dir)
+    args.earlier_dir = os.path.abspath(args.earlier_dir)
     elsewhere = args.results_dir != os.path.abspath(
         RESULTS_DIR
     )  # a scratch folder: keep the committed files as they are
@@ -646,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.output}")
     if args.readme:
         doc_dir = os.path.dirname(os.path.abspath(args.readme))
-        loaded = [load(b, args.results_dir, doc_dir) for b in REGISTRY]
+        loaded = [load(b, args.results_dir, doc_dir, args.earlier_dir) for b in REGISTRY]
         if update_readme(args.readme, results_table(loaded, doc_dir)):
             print(f"updated the results table of {args.readme}")
         else:

@@ -177,6 +177,7 @@ README = "# Project\n\nIntro.\n\n{start}\nold table\n{end}\n\n## After\n\nUnchan
 def render_only(tmp_path, *extra) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT}
     cmd = [sys.executable, RUN_ALL, "--render-only", "--results-dir", str(tmp_path / "results"),
+           "--earlier-dir", str(tmp_path / "results"),
            "--output", str(tmp_path / "RESULTS.md"), "--readme", str(tmp_path / "README.md"), *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
