@@ -270,7 +270,7 @@ def render_main_job_seeds(section: Section) -> str:
         f"({se_note(len(pairs), 'seed')}); async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}. "
         f"Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
         f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} ({se_note(len(pairs), 'seed')}); "
-        "the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
+        f"the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
     ]
     links = [
         section.link(os.path.splitext(f)[0] + ".png", f"runs of {os.path.basename(f)}")
