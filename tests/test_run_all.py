@@ -217,6 +217,7 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "**1.35× [1.20, 1.50] over 2 pairs**" in text  # docs-style script
     assert "9.99" not in text
     assert "+0.010 ± 0.030 (mean ± standard error over 2 seeds)" in text  # accuracy over seeds
+    assert "the synchronous gain alone ranges from +0.200 to +0.200" in text
     assert "1.75× [1.50, 2.00] over 2 repeats" in text  # bench_async, free
     assert "1.25× (1 repeat)" in text  # bench_async, forced 64
     assert "0.80× (1 repeat)" in text  # vLLM backend in training
