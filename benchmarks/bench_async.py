@@ -21,7 +21,11 @@ seconds of `trainer.train()`, start-up of the generation process included. Ratio
 heavy: completions forced to 64 tokens with `min_new_tokens`. Steady-state rows/s (after step 5) are reported too,
 never instead of the end-to-end figure. The learning check: the mean reward of the last quarter of steps (mean ±
 standard error over repeats) must not fall below TRL's.
-Writes benchmarks/results/bench_async.json and a PNG of reward against wall-clock time per regime.
+Cores: every contender gets the same cores. Each run is `python` on this file with OMP_NUM_THREADS and MKL_NUM_THREADS
+removed (no launcher that sets them), so TRL's GRPOTrainer computes on every core with torch's default thread count,
+and AsyncGRPOTrainer splits the same cores between its trainer and its generation process.
+Writes benchmarks/results/bench_async{tag}.json (or --output) and, beside it, a PNG of reward against wall-clock time
+per regime.
 """
 
 from __future__ import annotations
@@ -225,6 +229,9 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, free length only")
     parser.add_argument("--tag", default="", help="suffix of the output files")
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default benchmarks/results/bench_async{tag}.json); PNGs beside it"
+    )
     parser.add_argument("--replot", metavar="JSON", help="only redraw the PNGs from a results file")
     args = parser.parse_args()
     if args.replot:
@@ -245,8 +252,17 @@ def main():
     if any(CONTENDERS[n].get("generation_backend") == "vllm" for n in names) and not args.vllm_python:
         raise SystemExit("async-vllm runs in the vLLM environment: pass --vllm-python (see docs/vllm.md)")
     warmup = min(5, args.steps // 2)
-    os.makedirs(RESULTS, exist_ok=True)
-    report = {"steps": args.steps, "repeats": args.repeats, "learning_rate": args.learning_rate, "regimes": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)) if args.output else RESULTS, exist_ok=True)
+    report = {
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "learning_rate": args.learning_rate,
+        "environment": {
+            "removed_from_the_environment": ["OMP_NUM_THREADS", "MKL_NUM_THREADS"],
+            "cpus": os.cpu_count(),
+        },
+        "regimes": {},
+    }
     for regime in args.regimes.split(","):
         base = {**REGIMES[regime], "steps": args.steps, "learning_rate": args.learning_rate}
         probe = spawn("probe", base)
@@ -290,14 +306,21 @@ def main():
             print(f"{name:15s} {row['train_s']:8.1f} {e['median']:7.2f}x [{e['min']:.2f}, {e['max']:.2f}] "
                   f"{st['median']:6.2f}x [{st['min']:.2f}, {st['max']:.2f}] {row['eviction_rate']:8.2%} "
                   f"{row['mean_completion_length']:5.1f} {row['reward_mean']:8.3f} ± {row['reward_se']:.3f}")  # fmt: skip
-        plot(runs, regime, args.tag)
-    path = os.path.join(RESULTS, f"bench_async{args.tag}.json")
+        plot(runs, regime, args.tag, png_path(args, regime))
+    path = args.output or os.path.join(RESULTS, f"bench_async{args.tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {path}")
 
 
-def plot(runs: dict, regime: str, tag: str, window: int = 10) -> None:
+def png_path(args, regime: str) -> str:
+    """The reward-against-time picture of `regime`: beside --output when given, else under benchmarks/results/."""
+    if args.output:
+        return f"{os.path.splitext(args.output)[0]}_reward_vs_time_{regime}.png"
+    return os.path.join(RESULTS, f"bench_async_reward_vs_time_{regime}{args.tag}.png")
+
+
+def plot(runs: dict, regime: str, tag: str, path: str | None = None, window: int = 10) -> None:
     """Reward against wall-clock time: per contender, a rolling mean over `window` steps, averaged over repeats."""
     import matplotlib
 
@@ -316,7 +339,7 @@ def plot(runs: dict, regime: str, tag: str, window: int = 10) -> None:
     ax.set_title(f"Tiny model, {os.cpu_count()} CPU cores, completions: {regime}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f"bench_async_reward_vs_time_{regime}{tag}.png"), dpi=110)
+    fig.savefig(path or os.path.join(RESULTS, f"bench_async_reward_vs_time_{regime}{tag}.png"), dpi=110)
     plt.close(fig)
 
 

@@ -9,7 +9,11 @@ reward, and no thread settings (OMP_NUM_THREADS is removed from the runs' enviro
 the two trainers alternate (trl, async, trl, async, ...) so machine noise hits both alike. Reported: the seconds of
 `trainer.train()` (which includes the generation process's start-up for the async trainer) and process wall time,
 the median of each, and the paired ratios (sync seconds / async seconds per pair: median, min, max).
-Writes benchmarks/results/bench_docs_style.json.
+
+Cores: both trainers get the same cores. Each run is `python benchmarks/docs_style_grpo.py` with OMP_NUM_THREADS and
+MKL_NUM_THREADS removed (no launcher that sets them): GRPOTrainer computes on every core with torch's default thread
+count; AsyncGRPOTrainer splits the same cores between its trainer and its generation process.
+Writes benchmarks/results/bench_docs_style.json (or --output).
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def main(argv=None):
         "speedup_paired_min": min(ratios),
         "speedup_paired_max": max(ratios),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "environment": {"removed_from_the_environment": ["OMP_NUM_THREADS", "MKL_NUM_THREADS"]},
     }
     print(json.dumps(summary, indent=2))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

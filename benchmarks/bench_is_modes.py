@@ -2,7 +2,7 @@
 
     python benchmarks/bench_is_modes.py                 # 3 modes x max_staleness 1, 2, 4 x 3 seeds, 80 steps each
     python benchmarks/bench_is_modes.py --quick         # 1 seed, 20 steps
-    python benchmarks/bench_is_modes.py --learning-rate 1e-4 --steps 100 --tag _lr1e-4   # the README's second table
+    python benchmarks/bench_is_modes.py --learning-rate 1e-4 --steps 100 --tag _lr1e-4   # what run_all runs
 
 TRL tuned `vllm_importance_sampling_mode="sequence_mask"` with C=3 for the small numerical drift between vLLM and the
 trainer. Asynchronous rows differ by one to four optimizer steps of policy lag, a larger shift. For each mode
@@ -10,8 +10,8 @@ trainer. Asynchronous rows differ by one to four optimizer steps of policy lag, 
 bundled tiny model trains on generated arithmetic with `loss_type="dapo"` (TRL's default) and a learning rate high
 enough that stale rows really are off-policy. Reported per (mode, staleness), mean ± standard error over seeds: the
 reward of the last quarter of steps, the fraction of weights the truncation changed (zeroed or clamped), and the mean
-staleness reached. Each run is a fresh process. Writes benchmarks/results/bench_is_modes.json and a PNG of the
-learning curves.
+staleness reached. Each run is a fresh process. Writes benchmarks/results/bench_is_modes{tag}.json (or --output) and
+a PNG of the learning curves beside it.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. _lr1e-4")
+    parser.add_argument(
+        "--output", default=None, help="JSON path (default benchmarks/results/bench_is_modes{tag}.json)"
+    )
     args = parser.parse_args()
     if args.worker:
         with open(args.out, "w") as f:
@@ -129,14 +132,15 @@ def main():
     for key, row in table.items():
         (r, rse), (c, cse), (st, _) = row["reward_last_quarter"], row["clipped_fraction"], row["staleness_mean"]
         print(f"{key:26s} {r:7.3f} ± {rse:.3f} {c:8.2%} ± {cse:.2%} {st:10.2f}")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"bench_is_modes{args.tag}.json"), "w") as f:
+    output = args.output or os.path.join(RESULTS, f"bench_is_modes{args.tag}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as f:
         json.dump({"steps": args.steps, "seeds": args.seeds, "learning_rate": args.learning_rate, "table": table,
                    "runs": results}, f, indent=1)  # fmt: skip
-    plot(results, args.steps, tag=args.tag)
+    plot(results, args.steps, path=os.path.splitext(output)[0] + ".png")
 
 
-def plot(results, steps, window=10, tag=""):
+def plot(results, steps, window=10, path=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +162,7 @@ def plot(results, steps, window=10, tag=""):
     axes[0][0].set_ylabel(f"reward (rolling mean of {window})")
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, f"bench_is_modes{tag}.png"), dpi=110)
+    fig.savefig(path or os.path.join(RESULTS, "bench_is_modes.png"), dpi=110)
     plt.close(fig)
 
 

@@ -4,7 +4,7 @@ Contenders (all side by side in one run):
   dapo               TRL 1.16 ``_compute_loss`` with loss_type="dapo" (token-level PPO clip, sum / valid tokens)
   grpo               TRL 1.16 ``_compute_loss`` with loss_type="grpo" (mean over sequences of the per-sequence mean)
   m2po               trl_async.losses.m2po_loss, rule="paper" (Algorithm 1 of arXiv:2510.01161; the default)
-  m2po_all_tokens    m2po_loss, rule="all_tokens" (AReaL's candidate set; wave 1's rule)
+  m2po_all_tokens    m2po_loss, rule="all_tokens" (AReaL's candidate set)
   m2po_authors_code  m2po_loss, rule="authors_code" (the authors' training code: capped-mean cut as a PPO clip)
   m2po_ref           trl_async.losses.reference_m2po_loss (the reference page's per-token rule)
 

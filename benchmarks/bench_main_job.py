@@ -1,21 +1,34 @@
 """The main job, asynchronous against synchronous generation, side by side in one invocation.
 
-    python benchmarks/bench_main_job.py                          # 3 pairs of the default job (about 30 min on 2 cores)
+    python benchmarks/bench_main_job.py                          # 3 pairs of the default job, both arms on every core
     python benchmarks/bench_main_job.py --pairs 1 --max_steps 40 # quick check
     python benchmarks/bench_main_job.py --seeds 1,2,3            # one pair per seed: the seed-to-seed spread
+    python benchmarks/bench_main_job.py --regime accelerate_launch   # the same under `accelerate launch`
 
-Each run is the README's command, `accelerate launch recipes/qwen_math.py` with the default (tiny) config, in a
-fresh process with default thread settings (OMP_NUM_THREADS removed, as a user would run it). The synchronous run
-is the same command with `--async_generation false`: the same config, the same class, TRL's generation in the
+Each run is the main job, `recipes/qwen_math.py` with the default (tiny) config, in a fresh process. The synchronous
+run is the same command with `--async_generation false`: the same config, the same class, TRL's generation in the
 training process. The two runs of a pair follow each other, and the order alternates from pair to pair (async
 first, then sync first, ...) so that slow drifts of a shared machine hit both alike.
+
+Cores (`--regime`): both arms must be given the same cores, or the ratio measures the thread settings.
+* `same_cores` (default, the headline): `python recipes/qwen_math.py` with OMP_NUM_THREADS and MKL_NUM_THREADS
+  removed from the environment, as a user runs it. The synchronous arm's torch uses every core; the asynchronous
+  arm splits them between its trainer and its generation process (and lends a waiting process's share).
+* `accelerate_launch`: `accelerate launch recipes/qwen_math.py`, OMP_NUM_THREADS removed as above. accelerate's
+  launcher then exports OMP_NUM_THREADS=1 on a machine without a GPU (accelerate/commands/launch.py, unless `--cpu`
+  or a thread count is given), so the synchronous arm trains and generates on one core, while the asynchronous arm
+  runs its generation process on a second one. The ratio is larger than the same-cores one for that reason; it is
+  what a user of `accelerate launch` on a CPU machine sees.
+Before the runs, a probe started through the same launcher with the same environment records what the recipe sees
+(OMP_NUM_THREADS, torch's thread count, the usable cores): `environment` in the JSON.
 
 Recorded per run: training seconds (`trainer.train()`, from reward_summary.json), wall seconds of the whole
 command, the mean reward of the first and last quarter of steps and their gain, and the held-out greedy accuracy
 before and after (eval.json). Summary: medians per mode, and the paired ratios sync/async of training seconds
 (> 1: asynchronous generation is faster) with their min, median and max. Writes
 benchmarks/results/bench_main_job.json, a PNG of the runs beside it, and copies the first asynchronous run's
-reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture README shows).
+reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture RESULTS.md shows; same-cores
+regime, default job only). Under `accelerate_launch` the default output is benchmarks/results/bench_main_job_accelerate.json.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -36,19 +50,58 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 RECIPE = os.path.join(ROOT, "recipes", "qwen_math.py")
 MODES = {"async": [], "sync": ["--async_generation", "false"]}
+# How each regime starts a script: the interpreter, or accelerate's launcher (one process, as README's quick start).
+LAUNCHERS = {
+    "same_cores": [sys.executable],
+    "accelerate_launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no"],
+}  # fmt: skip
+COMMANDS = {"same_cores": "python recipes/qwen_math.py", "accelerate_launch": "accelerate launch recipes/qwen_math.py"}
+DEFAULT_OUT = {"same_cores": "bench_main_job.json", "accelerate_launch": "bench_main_job_accelerate.json"}
+# What the recipe sees, printed by a script started exactly like the recipe.
+THREAD_PROBE = (
+    "import json, os, torch; print(json.dumps({'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS'), "
+    "'MKL_NUM_THREADS': os.environ.get('MKL_NUM_THREADS'), 'torch_num_threads': torch.get_num_threads(), "
+    "'usable_cores': len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}))"
+)
 
 
-def run_once(mode: str, output_dir: str, max_steps: int | None, seed: int | None = None) -> dict:
+def run_env() -> dict:
+    """The environment of every run: the user's, without thread settings (a user who sets none)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return env
+
+
+def probe_environment(regime: str) -> dict:
+    """OMP_NUM_THREADS, torch's thread count and the usable cores as a script started like the recipe sees them."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(THREAD_PROBE + "\n")
+    try:
+        proc = subprocess.run([*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(), cwd=ROOT)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the thread probe failed under {regime}:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_once(
+    mode: str,
+    output_dir: str,
+    max_steps: int | None,
+    seed: int | None = None,
+    regime: str = "same_cores",
+    recipe_args: tuple[str, ...] = (),
+) -> dict:
     """One run of the main job in `mode`; returns its figures (raises with the run's stderr if it fails)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", RECIPE, "--output_dir", output_dir, *MODES[mode]]  # fmt: skip
+    cmd = [*LAUNCHERS[regime], RECIPE, "--output_dir", output_dir, *MODES[mode], *recipe_args]
     if max_steps is not None:
         cmd += ["--max_steps", str(max_steps)]
     if seed is not None:  # the recipe's --seed (TrainingArguments) seeds the model's sampling and its dataset split
         cmd += ["--seed", str(seed)]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env = run_env()
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
@@ -160,26 +213,43 @@ def main(argv: list[str] | None = None) -> dict:
         help="comma-separated seeds, one pair per seed (replaces --pairs): how far the reward gain moves with the "
         "seed alone, to read the async-sync difference against",
     )
-    parser.add_argument("--out", default=os.path.join(RESULTS, "bench_main_job.json"), help="JSON results path")
+    parser.add_argument(
+        "--regime",
+        choices=sorted(LAUNCHERS),
+        default="same_cores",
+        help="same_cores: `python recipes/qwen_math.py`, both arms on every core (the headline); accelerate_launch: "
+        "`accelerate launch recipes/qwen_math.py`, whose launcher gives the synchronous arm one core",
+    )
+    parser.add_argument(
+        "--recipe_args", default="", help="further recipe arguments for every run, e.g. '--eval_max_samples 50'"
+    )
+    parser.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/, per regime)")
+    parser.add_argument("--note", default=None, help="a note on the machine's state, kept in the JSON")
     args = parser.parse_args(argv)
+    args.out = args.out or os.path.join(RESULTS, DEFAULT_OUT[args.regime])
+    recipe_args = tuple(shlex.split(args.recipe_args))
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
     try:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None] * args.pairs
     except ValueError:
         parser.error(f"--seeds takes comma-separated integers such as 1,2,3, not {args.seeds!r}")
+    environment = probe_environment(args.regime)
+    print(f"{args.regime}: the recipe sees {environment}", flush=True)
     runs, picture = [], None
     with tempfile.TemporaryDirectory(prefix="bench_main_job_") as tmp:
         for pair, seed in enumerate(seeds):
             order = ["async", "sync"] if pair % 2 == 0 else ["sync", "async"]
             for position, mode in enumerate(order):
                 output_dir = os.path.join(tmp, f"pair{pair}-{mode}")
-                record = run_once(mode, output_dir, args.max_steps, seed)
+                record = run_once(mode, output_dir, args.max_steps, seed, args.regime, recipe_args)
                 record.update(pair=pair, position=position, seed=seed)
                 runs.append(record)
                 print(f"pair {pair} {mode}: {record['train_seconds']:.1f} s training, reward gain "
                       f"{record['reward_gain']}", flush=True)  # fmt: skip
-                full_job = args.max_steps is None and args.seeds is None  # README shows the default job's picture, not a shortened one
+                # RESULTS.md shows the default job's picture (same cores), not a shortened one
+                full_job = args.max_steps is None and args.seeds is None and not recipe_args
+                full_job = full_job and args.regime == "same_cores"
                 if full_job and picture is None and mode == "async":
                     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                     picture = os.path.join(os.path.dirname(os.path.abspath(args.out)), "main_job_reward_accuracy.png")
@@ -187,16 +257,22 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(runs)
     print_table(runs, summary)
     result = {
-        "command": "accelerate launch recipes/qwen_math.py [--async_generation false]"
+        "command": f"{COMMANDS[args.regime]} [--async_generation false]"
         + (f" --max_steps {args.max_steps}" if args.max_steps else "")
-        + (" --seed S" if args.seeds else ""),
+        + (" --seed S" if args.seeds else "")
+        + (f" {shlex.join(recipe_args)}" if recipe_args else ""),
+        "regime": args.regime,
+        "environment": {
+            "removed_from_the_environment": ["OMP_NUM_THREADS", "MKL_NUM_THREADS"],
+            "seen_by_the_recipe": environment,
+        },
         "pairs": len(seeds),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "note": "shared development machine: other jobs ran at the same time; ratios are paired",
-        },  # fmt: skip
+            "note": args.note,
+        },
         "runs": runs,
         "summary": summary,
     }

@@ -10,8 +10,8 @@ so load on a shared machine hits both alike; the wall-time ratio is reported per
     OMP_NUM_THREADS=1 python benchmarks/bench_ppo_vs_grpo.py                # 3 seeds x 2 methods
     OMP_NUM_THREADS=1 python benchmarks/bench_ppo_vs_grpo.py --steps 40     # shorter
 
-Writes benchmarks/results/bench_ppo_vs_grpo.json and bench_ppo_vs_grpo.png (reward vs rows, mean ± std over seeds, and
-PPO's explained variance) and prints a table.
+Writes benchmarks/results/bench_ppo_vs_grpo.json and bench_ppo_vs_grpo.png (reward vs rows, mean ± standard error
+over seeds, and PPO's explained variance) and prints a table.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ def run(method: str, seed: int, steps: int, rows_per_step: int, max_completion_l
     }
 
 
+def standard_error(values: list[float]) -> float:
+    """Standard error of the mean over seeds (sample standard deviation / sqrt(n)); NaN for one seed."""
+    return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
+
+
 def quarter_gain(curve: list[float]) -> float:
     q = max(1, len(curve) // 4)
     return float(np.mean(curve[-q:]) - np.mean(curve[:q]))
@@ -103,7 +108,8 @@ def main():
     parser.add_argument("--rows-per-step", type=int, default=64)
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--smooth", type=int, default=5, help="moving-average window of the plotted curves (steps)")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=RESULTS, help="folder of bench_ppo_vs_grpo.json and .png")
+    parser.add_argument("--note", default=None, help="a note on the machine's state, kept in the JSON")
     cli = parser.parse_args()
 
     runs = []
@@ -124,6 +130,7 @@ def main():
             "reward_last_quarter": [float(np.mean(r["reward"][-q:])) for r in mine],
             "reward_gain_mean": float(np.mean(gains)),
             "reward_gain_std": float(np.std(gains)),
+            "reward_gain_standard_error": standard_error(gains),
             "seconds": [r["seconds"] for r in mine],
         }
         if method == "ppo":
@@ -142,17 +149,17 @@ def main():
         "grpo": GRPO_SETTINGS,
         "summary": summary,
         "runs": runs,
-        "note": "Taken on a shared 2-core machine with other jobs running: the seconds are noisy, the curves are not.",
+        "note": cli.note,
     }
     with open(os.path.join(cli.out, "bench_ppo_vs_grpo.json"), "w") as f:
         json.dump(record, f, indent=1)
     plot(runs, cli, os.path.join(cli.out, "bench_ppo_vs_grpo.png"))
 
-    print(f"\n{'method':<6} {'first quarter':>14} {'last quarter':>13} {'gain (mean ± std)':>19} {'seconds':>9}")
+    print(f"\n{'method':<6} {'first quarter':>14} {'last quarter':>13} {'gain (mean ± s.e.)':>19} {'seconds':>9}")
     for method in ("grpo", "ppo"):
         s = summary[method]
         print(f"{method:<6} {np.mean(s['reward_first_quarter']):>14.3f} {np.mean(s['reward_last_quarter']):>13.3f} "
-              f"{s['reward_gain_mean']:>+11.3f} ± {s['reward_gain_std']:.3f} {np.median(s['seconds']):>9.0f}")  # fmt: skip
+              f"{s['reward_gain_mean']:>+11.3f} ± {s['reward_gain_standard_error']:.3f} {np.median(s['seconds']):>9.0f}")  # fmt: skip
     ev = summary["ppo"]
     print(f"ppo explained variance: first quarter {np.mean(ev['explained_variance_first_quarter']):.3f}, last "
           f"quarter {np.mean(ev['explained_variance_last_quarter']):.3f}")  # fmt: skip
@@ -181,21 +188,20 @@ def plot(runs: list[dict], cli, path: str) -> None:
     ):
         curves = np.array([_smooth(np.array(r["reward"]), cli.smooth) for r in runs if r["method"] == method])
         rows = np.arange(1, curves.shape[1] + 1) * cli.rows_per_step
-        mean, std = curves.mean(axis=0), curves.std(axis=0)
+        mean, se = curves.mean(axis=0), curves.std(axis=0, ddof=1) / np.sqrt(len(curves))
         left.plot(rows, mean, color=color, label=label)
-        left.fill_between(rows, mean - std, mean + std, color=color, alpha=0.2)
+        left.fill_between(rows, mean - se, mean + se, color=color, alpha=0.2)
     left.set_xlabel("rows trained on")
     left.set_ylabel(f"reward (moving average over {cli.smooth} steps)")
-    left.set_title(f"Tiny model, arithmetic: mean ± std over {len(cli.seeds)} seeds")
+    left.set_title(f"Tiny model, arithmetic: mean ± standard error over {len(cli.seeds)} seeds")
     left.legend()
     ev = np.array(
         [_smooth(np.array(r["explained_variance"], dtype=float), cli.smooth) for r in runs if r["method"] == "ppo"]
     )
     rows = np.arange(1, ev.shape[1] + 1) * cli.rows_per_step
+    ev_se = ev.std(axis=0, ddof=1) / np.sqrt(len(ev))
     right.plot(rows, ev.mean(axis=0), color="tab:red")
-    right.fill_between(
-        rows, ev.mean(axis=0) - ev.std(axis=0), ev.mean(axis=0) + ev.std(axis=0), color="tab:red", alpha=0.2
-    )
+    right.fill_between(rows, ev.mean(axis=0) - ev_se, ev.mean(axis=0) + ev_se, color="tab:red", alpha=0.2)
     right.axhline(0.3, color="gray", linestyle="--", linewidth=0.8)
     right.set_xlabel("rows trained on")
     right.set_ylabel("ppo/explained_variance")

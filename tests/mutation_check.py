@@ -321,6 +321,47 @@ MUTATIONS = [
         ("tests/test_engine.py::test_start_up_switch_trains_every_stream_batch_once_in_order",),
         "at the start-up switch the generation process makes the batch the trainer is making (trained twice)",
     ),
+    # --------------------------------------------------------------------------------------- benchmarks/RESULTS.md
+    Mutation(
+        "results_ratio_inverted",
+        "benchmarks/render_results.py",
+        'return [p["sync"]["train_seconds"] / p["async"]["train_seconds"] for p in main_job_pairs(data)]',
+        'return [p["async"]["train_seconds"] / p["sync"]["train_seconds"] for p in main_job_pairs(data)]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the main job's headline ratio is async/sync: a speed-up reads as a slow-down",
+    ),
+    Mutation(
+        "results_std_as_standard_error",
+        "benchmarks/render_results.py",
+        "return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values))",
+        "return statistics.mean(values), statistics.stdev(values)",
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "± printed as the standard deviation while RESULTS.md says standard error",
+    ),
+    Mutation(
+        "results_trl_compat_counts_stock",
+        "benchmarks/render_results.py",
+        'kept = [name for name in stock if outcome(tests[name], "swapped") == "passed"]',
+        'kept = [name for name in stock if outcome(tests[name], "stock") == "passed"]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "TRL's tests that fail with the class swapped are counted as kept",
+    ),
+    Mutation(
+        "results_readme_table_dropped",
+        "benchmarks/run_all.py",
+        'f.write(head + README_START + "\\n" + table + "\\n" + README_END + tail)',
+        'f.write(head + README_START + "\\n" + README_END + tail)',
+        ("tests/test_run_all.py::test_render_only_rewrites_only_the_readme_table",),
+        "README's results table is emptied instead of regenerated",
+    ),
+    Mutation(
+        "results_missing_earlier_file_unnamed",
+        "benchmarks/run_all.py",
+        "        if missing:\n            raise FileNotFoundError(",
+        "        if False:\n            raise FileNotFoundError(",
+        ("tests/test_run_all.py::test_a_missing_results_file_is_never_rendered_silently",),
+        "a missing results file is read as nothing instead of an error that names it",
+    ),
 ]
 
 

@@ -4,11 +4,17 @@ Both backends run in this process on the same prompts, with the same threads; ea
 back to back, after publishing new weights, so the paired ratio vllm/hf is robust to a shared machine's load.
 
     OMP_NUM_THREADS=1 python tests/vllm_backend/bench_backends.py [--rows 64] [--max-new-tokens 32] [--repeats 7]
+
+Writes benchmarks/results/bench_vllm_backends.json (or --out): the settings, each backend's start-up seconds, and per
+repeat each backend's weight-update seconds, generation seconds and generated tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
 import time
 
@@ -25,6 +31,13 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(__file__), "..", "..", "benchmarks", "results", "bench_vllm_backends.json"
+        ),
+        help="JSON results path",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -80,3 +93,22 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
         f"paired ratio vllm/hf, tokens/s: {summary([(r['vllm'][2] / r['vllm'][1]) / (r['hf'][2] / r['hf'][1]) for r in rows])}"
     )
     vllm_backend.close()
+    import vllm
+
+    record = {
+        "command": "OMP_NUM_THREADS=1 python tests/vllm_backend/bench_backends.py"
+        + f" --rows {args.rows} --generations {args.generations} --max-new-tokens {args.max_new_tokens}"
+        + f" --repeats {args.repeats} --threads {args.threads}",
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version()},
+        "cpus": os.cpu_count(),
+        "startup_s": {"hf": t1 - t0, "vllm": t2 - t1},
+        "repeats": [
+            {name: {"update_s": t[0], "generate_s": t[1], "tokens": t[2]} for name, t in timings.items()}
+            for timings in rows
+        ],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}")

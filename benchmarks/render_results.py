@@ -1,0 +1,824 @@
+"""Markdown for benchmarks/RESULTS.md: one renderer per benchmark, reading the benchmark's own JSON.
+
+Every figure is computed here from the per-run records in the JSON (the runs, the repeats, the seeds), not copied from
+a summary the benchmark wrote, so a summary that drifted from its runs cannot reach RESULTS.md. Conventions:
+
+* a paired ratio is computed per pair (or repeat) from the two runs of that pair, then reported as
+  median [min, max] over the pairs;
+* `±` is always the standard error of the mean over the seeds or repeats named beside it;
+* times are medians over the runs of one mode.
+
+`benchmarks/run_all.py` holds the registry that maps each benchmark to its command, its JSON and its renderer here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+from collections.abc import Callable, Sequence
+
+# ------------------------------------------------------------------------------------------------ the section object
+
+
+@dataclasses.dataclass
+class Section:
+    """One benchmark's loaded results, as a renderer sees them."""
+
+    name: str
+    files: list[str]  # absolute paths of the JSON files the figures come from
+    data: list[dict]  # their contents, in the same order
+    doc_dir: str  # the folder of the document being written: links are relative to it
+    options: dict = dataclasses.field(default_factory=dict)  # the registry's per-benchmark renderer options
+
+    @property
+    def first(self) -> dict:
+        return self.data[0]
+
+    def link(self, path: str, text: str | None = None) -> str:
+        """A markdown link to `path` (absolute) from the document; raises if the file does not exist."""
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{self.name}: the results link to {path}, which does not exist")
+        rel = os.path.relpath(path, self.doc_dir).replace(os.sep, "/")
+        return f"[{text or os.path.basename(path)}]({rel})"
+
+    def beside(self, json_path: str, filename: str) -> str:
+        return os.path.join(os.path.dirname(json_path), filename)
+
+    def pictures(self, names: Sequence[tuple[str, str]]) -> str:
+        """Links to the pictures (file name beside the first JSON, caption) that exist; '' when none does."""
+        links = []
+        for filename, caption in names:
+            path = self.beside(self.files[0], filename)
+            if os.path.exists(path):
+                links.append(self.link(path, caption))
+        return ("Pictures: " + " · ".join(links)) if links else ""
+
+
+Row = tuple[str, str]  # (what was measured, the figure) for the results table
+
+# ------------------------------------------------------------------------------------------------ formatting helpers
+
+
+def paired(values: Sequence[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt_ratio(values: Sequence[float], unit: str = "pairs") -> str:
+    """`1.86× [1.75, 1.96] over 3 pairs`; one value: `1.86× (1 pair)`."""
+    if not values:
+        return "–"
+    s = paired(values)
+    if s["n"] == 1:
+        return f"{s['median']:.2f}× (1 {unit.rstrip('s')})"
+    return f"{s['median']:.2f}× [{s['min']:.2f}, {s['max']:.2f}] over {s['n']} {unit}"
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample standard deviation / sqrt(n)); NaN error for one value."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return math.nan, math.nan
+    if len(values) == 1:
+        return values[0], math.nan
+    return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+def fmt_mean_se(values: Sequence[float], digits: int = 3, signed: bool = False) -> str:
+    mean, se = mean_se(values)
+    if math.isnan(mean):
+        return "–"
+    sign = "+" if signed else ""
+    if math.isnan(se):
+        return f"{mean:{sign}.{digits}f}"
+    return f"{mean:{sign}.{digits}f} ± {se:.{digits}f}"
+
+
+def se_note(n: int, unit: str) -> str:
+    """What a `±` next to it means: `mean ± standard error over 3 seeds`; one value has no error estimate."""
+    return f"mean ± standard error over {n} {unit}s" if n > 1 else f"one {unit}, no error estimate"
+
+
+def num(value, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return format(value, spec)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def quarter_means(curve: Sequence[float]) -> tuple[float, float]:
+    """Mean of the first and of the last quarter of a per-step curve (at least one step each)."""
+    q = max(1, len(curve) // 4)
+    return statistics.mean(curve[:q]), statistics.mean(curve[-q:])
+
+
+# ------------------------------------------------------------------------------------------------ main job
+
+REGIME_TEXT = {
+    "same_cores": (
+        "Both runs are started with `python recipes/qwen_math.py` and no thread settings (OMP_NUM_THREADS and "
+        "MKL_NUM_THREADS removed): the synchronous run's torch uses every core, and the asynchronous run splits the "
+        "same cores between its trainer and its generation process."
+    ),
+    "accelerate_launch": (
+        "Both runs are started with `accelerate launch recipes/qwen_math.py` and OMP_NUM_THREADS unset. On a machine "
+        "without a GPU, accelerate's launcher then exports OMP_NUM_THREADS=1 (accelerate/commands/launch.py), so the "
+        "synchronous run trains and generates on one core while the asynchronous run's generation process computes "
+        "on a second one: this ratio includes that extra core. It is what a user of `accelerate launch` on a CPU "
+        "machine sees, not a same-cores comparison."
+    ),
+}
+
+
+def main_job_regime(data: dict) -> str:
+    """The regime a main-job file was measured in (files from before `--regime` existed: from their command)."""
+    if "regime" in data:
+        return data["regime"]
+    return "accelerate_launch" if data.get("command", "").startswith("accelerate launch") else "same_cores"
+
+
+def main_job_pairs(data: dict) -> list[dict]:
+    """{'async': run, 'sync': run} per complete pair, in pair order."""
+    by_pair: dict = {}
+    for run in data["runs"]:
+        by_pair.setdefault(run["pair"], {})[run["mode"]] = run
+    return [p for _, p in sorted(by_pair.items()) if {"async", "sync"} <= set(p)]
+
+
+def main_job_speedups(data: dict) -> list[float]:
+    """Training seconds, sync / async, per pair (> 1: asynchronous generation is faster)."""
+    return [p["sync"]["train_seconds"] / p["async"]["train_seconds"] for p in main_job_pairs(data)]
+
+
+def render_main_job(section: Section) -> str:
+    data = section.first
+    regime = main_job_regime(data)
+    pairs = main_job_pairs(data)
+    out = [
+        f"Command: `{data.get('command', '?')}`, one pair = one run of each, order alternating from pair to pair.",
+        "",
+    ]
+    out.append(f"Cores: {REGIME_TEXT[regime]}")
+    seen = data.get("environment", {}).get("seen_by_the_recipe")
+    if seen:
+        out.append(
+            f"What the recipe saw (a probe started the same way): OMP_NUM_THREADS={seen.get('OMP_NUM_THREADS')}, "
+            f"torch threads {seen.get('torch_num_threads')}, usable cores {seen.get('usable_cores')}."
+        )
+    else:
+        out.append("This file does not record the thread settings the recipe saw.")
+    rows = []
+    for index, pair in enumerate(pairs):
+        for mode in sorted(pair, key=lambda m: pair[m].get("position", 0)):
+            r = pair[mode]
+            rows.append([index, mode, r.get("seed") if r.get("seed") is not None else "default",
+                         num(r["train_seconds"], ".1f"), num(r["wall_seconds"], ".1f"),
+                         num(r.get("reward_first_quarter")), num(r.get("reward_last_quarter")),
+                         num(r.get("reward_gain"), "+.3f"), num(r.get("accuracy_before")),
+                         num(r.get("accuracy_after"))])  # fmt: skip
+    out += ["", table(["pair", "mode", "seed", "training s", "wall s", "reward, first quarter", "last quarter",
+                       "gain", "held-out accuracy before", "after"], rows), ""]  # fmt: skip
+    train = main_job_speedups(data)
+    wall = [p["sync"]["wall_seconds"] / p["async"]["wall_seconds"] for p in pairs]
+    med = {m: statistics.median(p[m]["train_seconds"] for p in pairs) for m in ("async", "sync")}
+    out.append(
+        f"- Training time (`trainer.train()`), synchronous / asynchronous, paired: **{fmt_ratio(train)}**; "
+        f"medians {med['async']:.1f} s asynchronous, {med['sync']:.1f} s synchronous."
+    )
+    out.append(f"- Whole command (wall), paired: {fmt_ratio(wall)}.")
+    gains = {m: [p[m]["reward_gain"] for p in pairs if p[m].get("reward_gain") is not None] for m in ("async", "sync")}
+    if gains["async"] and gains["sync"]:
+        out.append(
+            f"- Reward gain (mean reward of the last quarter of steps minus the first), median: asynchronous "
+            f"{statistics.median(gains['async']):+.3f}, synchronous {statistics.median(gains['sync']):+.3f}."
+        )
+    acc = {
+        m: [p[m]["accuracy_after"] for p in pairs if p[m].get("accuracy_after") is not None] for m in ("async", "sync")
+    }
+    if acc["async"] and acc["sync"]:
+        samples = pairs[0]["async"].get("eval_samples")
+        before = statistics.median(p["async"]["accuracy_before"] for p in pairs)
+        out.append(
+            f"- Held-out greedy accuracy ({samples} problems), median: {before:.3f} before training; after, "
+            f"asynchronous {statistics.median(acc['async']):.3f}, synchronous {statistics.median(acc['sync']):.3f}."
+        )
+    pictures = section.pictures(
+        [
+            (
+                os.path.splitext(os.path.basename(section.files[0]))[0] + ".png",
+                "training time and reward gain per run",
+            ),
+            ("main_job_reward_accuracy.png", "the first asynchronous run's reward and held-out accuracy"),
+        ]
+    )
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def summary_main_job(section: Section) -> list[Row]:
+    data = section.first
+    pairs = main_job_pairs(data)
+    med = {m: statistics.median(p[m]["train_seconds"] for p in pairs) for m in ("async", "sync")}
+    what = {
+        "same_cores": "The main job (`python recipes/qwen_math.py`, tiny model), asynchronous vs synchronous "
+        "generation, both on every core: training time",
+        "accelerate_launch": "The same under `accelerate launch` (its launcher gives the synchronous run one core "
+        "on a CPU-only machine)",
+    }[main_job_regime(data)]
+    return [(what, f"**{fmt_ratio(main_job_speedups(data))}** ({med['async']:.0f} s vs {med['sync']:.0f} s)")]
+
+
+def seed_pairs(section: Section) -> list[dict]:
+    """One {'seed', 'regime', 'async', 'sync'} per seeded pair, over every file of the section."""
+    out = []
+    for data in section.data:
+        for pair in main_job_pairs(data):
+            out.append({"seed": pair["async"].get("seed"), "regime": main_job_regime(data), **pair})
+    return sorted(out, key=lambda p: (p["seed"] is None, p["seed"] or 0))
+
+
+def render_main_job_seeds(section: Section) -> str:
+    pairs = seed_pairs(section)
+    regimes = sorted({p["regime"] for p in pairs})
+    out = [
+        "One pair (asynchronous, synchronous) of the default job per seed (`--seed S`): how far the learning "
+        "figures move with the seed alone, to read the asynchronous-minus-synchronous differences against. "
+        f"Launched as: {', '.join(f'`{r}`' for r in regimes)} (see the main-job sections for what that means for "
+        "the cores; these figures are about learning, not time).",
+        "",
+    ]
+    rows = []
+    for p in pairs:
+        a, s = p["async"], p["sync"]
+        rows.append([p["seed"], num(a["reward_gain"], "+.3f"), num(s["reward_gain"], "+.3f"),
+                     num(a["reward_gain"] - s["reward_gain"], "+.3f"), num(a["accuracy_after"]),
+                     num(s["accuracy_after"]), num(a["accuracy_after"] - s["accuracy_after"], "+.3f")])  # fmt: skip
+    out.append(table(["seed", "reward gain, async", "sync", "async − sync", "held-out accuracy after, async", "sync",
+                      "async − sync"], rows))  # fmt: skip
+    acc_diff = [p["async"]["accuracy_after"] - p["sync"]["accuracy_after"] for p in pairs]
+    gain_diff = [p["async"]["reward_gain"] - p["sync"]["reward_gain"] for p in pairs]
+    sync_acc = [p["sync"]["accuracy_after"] for p in pairs]
+    sync_gain = [p["sync"]["reward_gain"] for p in pairs]
+    out += [
+        "",
+        f"- Held-out accuracy after training, async − sync: {fmt_mean_se(acc_diff, signed=True)} "
+        f"({se_note(len(pairs), 'seed')}); async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}. "
+        f"Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
+        f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} ({se_note(len(pairs), 'seed')}); "
+        f"the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
+    ]
+    links = [
+        section.link(os.path.splitext(f)[0] + ".png", f"runs of {os.path.basename(f)}")
+        for f in section.files
+        if os.path.exists(os.path.splitext(f)[0] + ".png")
+    ]
+    if links:
+        out += ["", "Pictures: " + " · ".join(links)]
+    return "\n".join(out)
+
+
+def summary_main_job_seeds(section: Section) -> list[Row]:
+    pairs = seed_pairs(section)
+    acc_diff = [p["async"]["accuracy_after"] - p["sync"]["accuracy_after"] for p in pairs]
+    return [
+        (
+            "The main job's held-out greedy accuracy after training, asynchronous − synchronous, one pair per seed",
+            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')})",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ docs-style script
+
+DOCS_STYLE_METRICS = (
+    ("async/trainer_lent_cores_fraction", "trainer's layer passes on every core", ".2f"),
+    ("async/generator_wait_s", "generator waiting, s", ".2f"),
+    ("async/trainer_wait_s", "trainer waiting, s", ".2f"),
+    ("async/generate_s", "generation s per batch", ".3f"),
+    ("async/staleness_mean", "staleness, mean", ".2f"),
+    ("async/evicted", "rows evicted", ".0f"),
+)
+
+
+def docs_style_pairs(data: dict) -> list[dict]:
+    by_pair: dict = {}
+    for run in data["runs"]:
+        by_pair.setdefault(run["pair"], {})[run["trainer"]] = run
+    return [p for _, p in sorted(by_pair.items()) if {"trl", "async"} <= set(p)]
+
+
+def docs_style_speedups(data: dict) -> list[float]:
+    return [p["trl"]["train_s"] / p["async"]["train_s"] for p in docs_style_pairs(data)]
+
+
+def render_docs_style(section: Section) -> str:
+    data = section.first
+    pairs = docs_style_pairs(data)
+    steps = data.get("summary", {}).get("steps")
+    out = [
+        "`benchmarks/docs_style_grpo.py`: a GRPO script written the way TRL's documentation writes one (a plain "
+        f"`GRPOConfig` with TRL's defaults, 32 rows a step, {steps} steps, a text reward, the bundled tiny model), "
+        "run with `GRPOTrainer` and, with only the class name swapped, with `AsyncGRPOTrainer`, in alternating "
+        "fresh processes. Cores: both started with `python`, OMP_NUM_THREADS and MKL_NUM_THREADS removed, so both "
+        "get every core.",
+        "",
+    ]
+    rows = [[i, num(p["trl"]["train_s"], ".1f"), num(p["async"]["train_s"], ".1f"),
+             num(p["trl"]["train_s"] / p["async"]["train_s"], ".2f")] for i, p in enumerate(pairs)]  # fmt: skip
+    out += [table(["pair", "GRPOTrainer s", "AsyncGRPOTrainer s", "ratio"], rows), ""]
+    out.append(
+        f"- `trainer.train()` seconds, GRPOTrainer / AsyncGRPOTrainer, paired: **{fmt_ratio(docs_style_speedups(data))}**"
+        f"; medians {statistics.median(p['trl']['train_s'] for p in pairs):.1f} s and "
+        f"{statistics.median(p['async']['train_s'] for p in pairs):.1f} s."
+    )
+    rewards = {t: [quarter_means(p[t]["rewards"])[1] for p in pairs if p[t].get("rewards")] for t in ("trl", "async")}
+    if rewards["trl"] and rewards["async"]:
+        out.append(
+            f"- Mean logged reward of the last quarter of logs: GRPOTrainer {fmt_mean_se(rewards['trl'])}, "
+            f"AsyncGRPOTrainer {fmt_mean_se(rewards['async'])} ({se_note(len(pairs), 'run')})."
+        )
+    logs = [p["async"].get("async_last_log") for p in pairs if p["async"].get("async_last_log")]
+    if logs:
+        out += [
+            "",
+            "The asynchronous runs' `async/*` metrics over their last logging window (TRL's default "
+            "`logging_steps`), one row per run:",
+            "",
+        ]
+        present = [m for m in DOCS_STYLE_METRICS if any(m[0] in log for log in logs)]
+        rows = [[i] + [num(log.get(key), spec) for key, _, spec in present] for i, log in enumerate(logs)]
+        out.append(table(["run"] + [label for _, label, _ in present], rows))
+    return "\n".join(out)
+
+
+def summary_docs_style(section: Section) -> list[Row]:
+    return [
+        (
+            f"A TRL-docs-style GRPO script (plain `GRPOConfig`, {section.first.get('summary', {}).get('steps')} "
+            "steps), `GRPOTrainer` vs `AsyncGRPOTrainer`, "
+            "both on every core: training time",
+            f"**{fmt_ratio(docs_style_speedups(section.first))}**",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ bench_async
+
+ASYNC_LABELS = {
+    "trl": "TRL `GRPOTrainer` (the baseline)",
+    "async-dapo": "async, `dapo` (TRL's default loss), default staleness",
+    "async-m2po": "async, `m2po`",
+    "async-dapo-S2": "async, `dapo`, `max_staleness=2`",
+    "async-vllm": "async, `dapo`, vLLM backend",
+}
+REGIME_LABELS = {"free": "free-length completions", "forced64": "completions forced to 64 tokens"}
+
+
+def async_regime(section: Section) -> tuple[str, dict]:
+    regime = section.options.get("regime") or next(iter(section.first["regimes"]))
+    return regime, section.first["regimes"][regime]
+
+
+def async_speedups(entry: dict, name: str) -> list[float]:
+    """TRL's train seconds / the contender's, per repeat (end to end, generation process start-up included)."""
+    return [b["train_s"] / c["train_s"] for b, c in zip(entry["runs"]["trl"], entry["runs"][name], strict=True)]
+
+
+def steady_window(run: dict, warmup: int = 5) -> tuple[int, float]:
+    """The steps after the warm-up (bench_async's: min(5, steps // 2)) and their wall seconds."""
+    ends = run["step_end"]
+    warmup = min(warmup, len(ends) // 2)
+    return warmup, ends[-1] - ends[warmup - 1]
+
+
+def steady_rows_per_s(run: dict) -> float:
+    warmup, seconds = steady_window(run)
+    return (len(run["step_end"]) - warmup) * run["rows_per_step"] / seconds
+
+
+def wait_share(run: dict, key: str) -> float:
+    """Seconds one process waited for the other after the warm-up, as a share of that stretch's wall time."""
+    warmup, seconds = steady_window(run)
+    return sum(run.get(key, [])[warmup:]) / seconds
+
+
+def render_async(section: Section) -> str:
+    data = section.first
+    regime, entry = async_regime(section)
+    runs = entry["runs"]
+    repeats = len(runs["trl"])
+    out = [
+        f"The bundled tiny model on generated arithmetic, 4 prompts × 8 completions a step, {data.get('steps')} steps, "
+        f"{REGIME_LABELS.get(regime, regime)}, every contender at TRL's default configuration, each run a fresh "
+        f"process, contenders interleaved within each repeat ({repeats} repeats). Cores: every run started with `python`, "
+        "OMP_NUM_THREADS and MKL_NUM_THREADS removed, so TRL's trainer and the asynchronous trainer get the same "
+        "cores. Ratios: TRL's `trainer.train()` seconds / the contender's in the same repeat, median [min, max]; "
+        "steady state: rows per second after step 5, the same way.",
+        "",
+    ]
+    rows = []
+    for name, rs in runs.items():
+        quarter = [quarter_means(r["reward"])[1] for r in rs]
+        evicted = sum(r.get("evicted_rows", 0) for r in rs)
+        length = statistics.mean(r["mean_length"] for r in rs)
+        if name == "trl":
+            e2e = steady = "1 (baseline)"
+            waits = "–"
+        else:
+            trainer = statistics.median(wait_share(r, "trainer_wait_s") for r in rs)
+            generator = statistics.median(wait_share(r, "generator_wait_s") for r in rs)
+            waits = f"{trainer:.0%} / {generator:.0%}"
+            e2e = fmt_ratio(async_speedups(entry, name), "repeats")
+            steady = fmt_ratio(
+                [steady_rows_per_s(c) / steady_rows_per_s(b) for b, c in zip(runs["trl"], rs, strict=True)], "repeats"
+            )
+        rows.append([ASYNC_LABELS.get(name, name), num(statistics.median(r["train_s"] for r in rs), ".1f"), e2e,
+                     steady, waits, int(evicted), num(length, ".1f"), fmt_mean_se(quarter)])  # fmt: skip
+    out.append(table(["contender", "train s (median)", "end to end vs TRL", "steady state vs TRL",
+                      "waiting after step 5: trainer / generator (median share)", "rows evicted",
+                      "mean completion tokens", f"reward, last quarter (± s.e. over {repeats})"], rows))  # fmt: skip
+    probe = entry.get("probe")
+    if probe:
+        g, t = probe["generate_s"], probe["train_s"]
+        out += [
+            "",
+            f"On one thread, one generation batch takes {g:.3f} s and one training step {t:.3f} s (a plain "
+            f"`generate` and forward + backward + AdamW): two stages that overlap perfectly would take at most "
+            f"(g + t) / max(g, t) = {(g + t) / max(g, t):.2f}× less time than running them one after the other.",
+        ]
+    json_stem = os.path.splitext(os.path.basename(section.files[0]))[0]
+    candidates = [(f"{json_stem}_reward_vs_time_{regime}.png", "reward against wall-clock time")]
+    candidates += [(name, "reward against wall-clock time") for name in section.options.get("pictures", ())]
+    pictures = section.pictures(candidates)
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def summary_async(section: Section) -> list[Row]:
+    regime, entry = async_regime(section)
+    short = {"async-dapo": "`dapo`", "async-m2po": "`m2po`", "async-dapo-S2": "`dapo`, staleness 2",
+             "async-vllm": "vLLM backend"}  # fmt: skip
+    cells = [
+        f"{short.get(n, n)} {fmt_ratio(async_speedups(entry, n), 'repeats')}" for n in entry["runs"] if n != "trl"
+    ]
+    steps = section.first.get("steps")
+    what = (
+        f"`AsyncGRPOTrainer` vs `GRPOTrainer` at TRL's defaults, tiny model, {steps} steps of 4 × 8 rows, "
+        f"{REGIME_LABELS.get(regime, regime)}: end to end"
+    )
+    return [(what, "; ".join(cells))]
+
+
+# ------------------------------------------------------------------------------------------------ components
+
+
+def render_components(section: Section) -> str:
+    data = section.first
+    out = [
+        "One generation batch and one training forward + backward of the docs-style batch (4 prompts × 8 "
+        "completions, the tiny model, gradient checkpointing on), each on one thread, TRL's way and "
+        "`AsyncGRPOTrainer`'s, alternating within each repeat; medians.",
+        "",
+    ]
+    rows = []
+    for regime in ("free", "forced64"):
+        r = data.get(regime)
+        if not r:
+            continue
+        m = r["medians_s"]
+        rows.append([REGIME_LABELS[regime], num(r["completion_length_mean"], ".1f"),
+                     num(m["generate_trl"] * 1e3, ".0f"), num(m["generate_ours"] * 1e3, ".0f"),
+                     num(m["generate_trl"] / m["generate_ours"], ".2f") + "×", num(m["train_trl"] * 1e3, ".0f"),
+                     num(m["train_ours"] * 1e3, ".0f"), num(m["train_trl"] / m["train_ours"], ".2f") + "×"])  # fmt: skip
+    out.append(table(["batch", "completion tokens (mean)", "generation, TRL ms", "ours ms", "TRL / ours",
+                      "training step, TRL ms", "ours ms", "TRL / ours"], rows))  # fmt: skip
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+LOSS_LABELS = {"grpo": "TRL `grpo`", "m2po": "`m2po` (`paper`)", "m2po_all_tokens": "`all_tokens`",
+               "m2po_authors_code": "`authors_code`", "m2po_ref": "reference-page rule"}  # fmt: skip
+
+
+def render_losses(section: Section) -> str:
+    data = section.first
+    results = data["results"]
+    contenders = [k for k in results[0]["paired_ratio_to_dapo"] if k != "dapo"]
+    out = [
+        f"Forward + backward of each loss on given log-prob tensors, {data.get('threads', 1)} thread(s) on "
+        f"{data.get('device', 'cpu')}, τ = {data.get('tau')}; every contender in every repeat, in a fresh random "
+        "order each repeat. Cells: the paired ratio to TRL's `dapo` (contender time / dapo time in the same repeat), "
+        "median [min, max]. Regimes are calibrated on the `paper` rule: a nothing masked, b about 1%, c about 20%.",
+        "",
+    ]
+    rows = []
+    for r in results:
+        ratios = r["paired_ratio_to_dapo"]
+        cells = [f"{ratios[c]['median']:.2f} [{ratios[c]['min']:.2f}, {ratios[c]['max']:.2f}]" for c in contenders]
+        masked = r.get("masked_fraction", {}).get("m2po")
+        rows.append([f"{r['B']}×{r['L']}", f"{r['regime']} ({r.get('regime_name', '')})",
+                     num(masked * 100 if masked is not None else None, ".1f") + "%", r.get("repeats"),
+                     num(r["median_ms"]["dapo"], ".3f"), *cells])  # fmt: skip
+    out.append(table(["B×L", "regime", "masked by `paper`", "repeats", "dapo ms (median)",
+                      *[LOSS_LABELS.get(c, c) for c in contenders]], rows))  # fmt: skip
+    out += [
+        "",
+        "TRL's `grpo` computes nearly what `dapo` computes: its ratio shows how far the pairing itself is from 1.",
+    ]
+    return "\n".join(out)
+
+
+def summary_losses(section: Section) -> list[Row]:
+    cells = []
+    for r in section.first["results"]:
+        if (r["B"], r["L"]) == (64, 256) and r["regime"] in "ab" and "m2po" in r["paired_ratio_to_dapo"]:
+            s = r["paired_ratio_to_dapo"]["m2po"]
+            masked = r.get("masked_fraction", {}).get("m2po", 0.0)
+            cells.append(f"{s['median']:.2f}× with {masked:.0%} masked")
+    return [
+        ("M2PO loss (`paper` rule) forward + backward vs TRL's `dapo`, B=64, L=256, paired median", "; ".join(cells))
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ rewards
+
+HEADLINE_REWARD = "decode+regex (prepared) / tensor (prepared)"
+
+
+def render_rewards(section: Section) -> str:
+    data = section.first
+    regimes = data["regimes"]
+    head = regimes[0]
+    host = data.get("host", {})
+    out = [
+        f"The real Qwen tokenizer, {host.get('threads', '?')} thread(s). Every timed call follows other work (a "
+        "stand-in for generation) and scores a batch whose gold answers are new to the run; contenders side by "
+        "side in each repeat, order rotating. `tensor (prepared)` is `MathAnswerReward` on the padded ids with the "
+        "batch's answers prepared ahead (training's steady state); `decode+regex (prepared)` is `batch_decode` + "
+        "`math_answer_text_reward` with its regexes compiled ahead.",
+        "",
+        f"B={head['batch']}, L={head['length']}, {head['new_golds_per_batch']} new answers per batch, "
+        f"{head['repeats']} repeats, medians:",
+        "",
+    ]
+    rows = [[name, num(head["cold_ms"][name]["median"], ".2f"),
+             num(head.get("cold_cpu_ms", {}).get(name, {}).get("median"), ".2f")] for name in head["cold_ms"]]  # fmt: skip
+    out += [table(["contender", "wall ms", "CPU ms"], rows), ""]
+    rows = []
+    for r in regimes:
+        wall = r["paired_ratios"].get(HEADLINE_REWARD)
+        cpu = r.get("paired_ratios_of_cpu_time", {}).get(HEADLINE_REWARD)
+        fmt = lambda s: "–" if not s else f"{s['median']:.1f}× [{s['min']:.1f}, {s['max']:.1f}]"  # noqa: E731
+        rows.append([f"B={r['batch']}, L={r['length']}, {r['new_golds_per_batch']} new answers per batch",
+                     fmt(wall), fmt(cpu)])  # fmt: skip
+    warm = head.get("warm_paired_ratios", {}).get(HEADLINE_REWARD + ", warm")
+    if warm:
+        rows.append([f"B={head['batch']}, L={head['length']}, the same call again right away (warm)",
+                     f"{warm['median']:.1f}× [{warm['min']:.1f}, {warm['max']:.1f}]", "–"])  # fmt: skip
+    out += ["Paired ratio decode+regex (prepared) / tensor (prepared), median [min, max]:", ""]
+    out += [table(["batch", "wall time", "CPU time"], rows), ""]
+    tiny = data.get("tiny_call_B8_L32")
+    if tiny:
+        out.append(
+            f"- A tiny batch (B=8, L=32): cold − warm (paired) {tiny['cold_minus_warm_ms']['median']:.3f} ms after "
+            f"other work, {tiny['after_sleep_minus_warm_ms']['median']:.3f} ms after a 10 ms sleep: a fixed cost per "
+            "call after a gap, not the work."
+        )
+    per_gold = data.get("prepare_per_gold_composed_vs_general")
+    if per_gold:
+        pg, ratio = per_gold["ms_per_new_gold"], per_gold["general / composed"]
+        out.append(
+            f"- Preparing a new answer: {pg['composed (CPU)']['median']:.2f} ms of CPU time, against "
+            f"{pg['general (CPU)']['median']:.2f} ms on the general path (every spelling tokenized with its marker); "
+            f"paired {ratio['median']:.1f}× [{ratio['min']:.1f}, {ratio['max']:.1f}]."
+        )
+    column = data.get("prepare_dataset_column")
+    if column:
+        out.append(
+            f"- Preparing a GSM8K-sized answer column ({column['rows']:,} rows, {column['unique_answers']:,} distinct "
+            f"answers) at start-up: {column['seconds']:.1f} s, a {column['table_mib']:.0f} MiB table."
+        )
+    generation = data.get("tiny_model_generation_step_ms_B64_L256")
+    if generation:
+        out.append(
+            f"- The bundled tiny model generates 64 × 256 tokens in {generation['median'] / 1e3:.1f} s here; the "
+            f"prepared reward is {data['tensor_prepared_share_of_tiny_generation_step']:.4%} of that."
+        )
+    acc = data.get("accuracy")
+    if acc:
+        out += [
+            "",
+            f"Agreement with the labels of {acc['n']:,} labelled GSM8K-style completions (deterministic): "
+            f"`MathAnswerReward` {acc['ours_rows_equal_to_label']:,}, `math_answer_text_reward` "
+            f"{acc['text_regex_rows_equal_to_label']:,}, math-verify's `verify(parse(gold), parse(text))` "
+            f"{acc['math_verify_accuracy']:.3f} of them. Per category (math-verify's share that agrees):",
+            "",
+        ]
+        rows = [[cat, c["n"], num(c["ours_correct"] / c["n"], ".2f"), num(c["math_verify_correct"] / c["n"], ".2f")]
+                for cat, c in acc["per_category"].items()]  # fmt: skip
+        out.append(table(["category", "completions", "ours", "math-verify"], rows))
+    gpu = data.get("gpu") or {}
+    out += ["", "The no-host-sync check on a GPU " + ("ran." if gpu.get("ran") else "has not run (no GPU).")]
+    return "\n".join(out)
+
+
+def summary_rewards(section: Section) -> list[Row]:
+    head = section.first["regimes"][0]
+    cpu = head.get("paired_ratios_of_cpu_time", {}).get(HEADLINE_REWARD)
+    wall = head["paired_ratios"][HEADLINE_REWARD]
+    figure = f"{wall['median']:.1f}× by wall time"
+    if cpu:
+        figure = f"{cpu['median']:.1f}× by CPU time, " + figure
+    return [
+        (
+            f"`MathAnswerReward` on token ids vs `batch_decode` + regex, B={head['batch']}, L={head['length']}, "
+            "cold calls, paired median",
+            figure,
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ importance modes
+
+
+def render_is_modes(section: Section) -> str:
+    data = section.first
+    runs = data["runs"]
+    modes = list(dict.fromkeys(key.split("/S")[0] for key in runs))
+    stalenesses = sorted({key.split("/S")[1] for key in runs}, key=int)
+    out = [
+        f"`dapo` with TRL's three importance-sampling modes at their default bounds, {data['steps']} steps, learning "
+        f"rate {data['learning_rate']:g}, {data['seeds']} seeds; every row from the generation process at real "
+        "staleness. Cells: reward of the last quarter of steps (mean ± standard error over seeds), and the share of "
+        "weights the truncation changed.",
+        "",
+    ]
+    rows = []
+    for mode in modes:
+        cells = []
+        for s in stalenesses:
+            rs = runs.get(f"{mode}/S{s}", [])
+            reward = [quarter_means(r["reward"])[1] for r in rs]
+            clipped = statistics.mean(statistics.mean(r["clipped_fraction"]) for r in rs) if rs else math.nan
+            cells.append(f"{fmt_mean_se(reward)}, {clipped:.2%}")
+        rows.append([f"`{mode}`", *cells])
+    out.append(table(["mode", *[f"max_staleness={s}" for s in stalenesses]], rows))
+    json_stem = os.path.splitext(os.path.basename(section.files[0]))[0]
+    pictures = section.pictures([(json_stem + ".png", "learning curves")])
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+# ------------------------------------------------------------------------------------------------ PPO vs GRPO
+
+
+def ppo_runs(data: dict, method: str) -> list[dict]:
+    return [r for r in data["runs"] if r["method"] == method]
+
+
+def ppo_gains(data: dict, method: str) -> list[float]:
+    return [quarter_means(r["reward"])[1] - quarter_means(r["reward"])[0] for r in ppo_runs(data, method)]
+
+
+def render_ppo(section: Section) -> str:
+    data = section.first
+    settings = data.get("settings", {})
+    out = [
+        f"`AsyncPPOTrainer` (one completion per prompt, a critic) and `AsyncGRPOTrainer` (8 prompts × 8 completions, "
+        f"M2PO) on the tiny model, {settings.get('steps')} steps of {settings.get('rows_per_step')} rows, "
+        f"temperature {settings.get('temperature')}, `max_staleness=1`, seeds {settings.get('seeds')}; the two runs "
+        "of a seed back to back.",
+        "",
+    ]
+    rows = []
+    for method in ("ppo", "grpo"):
+        rs = ppo_runs(data, method)
+        if not rs:
+            continue
+        first = statistics.mean(quarter_means(r["reward"])[0] for r in rs)
+        last = statistics.mean(quarter_means(r["reward"])[1] for r in rs)
+        rows.append([method.upper(), num(first), num(last), fmt_mean_se(ppo_gains(data, method), signed=True),
+                     ", ".join(f"{r['seconds']:.0f}" for r in rs)])  # fmt: skip
+    out.append(table(["method", "reward, first quarter (mean)", "last quarter", "gain (mean ± s.e. over seeds)",
+                      "seconds per seed"], rows))  # fmt: skip
+    ev = [[v for v in r["explained_variance"] if v is not None] for r in ppo_runs(data, "ppo")]
+    ev = [e for e in ev if e]
+    if ev:
+        first = statistics.mean(quarter_means(e)[0] for e in ev)
+        last = statistics.mean(quarter_means(e)[1] for e in ev)
+        out += ["", f"- PPO's `ppo/explained_variance`: {first:.3f} in the first quarter of steps, {last:.3f} in the "
+                    "last (mean over seeds)."]  # fmt: skip
+    pictures = section.pictures([("bench_ppo_vs_grpo.png", "learning curves")])
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def summary_ppo(section: Section) -> list[Row]:
+    data = section.first
+    settings = data.get("settings", {})
+    n = len(ppo_runs(data, "ppo"))
+    return [
+        (
+            f"`AsyncPPOTrainer` on the tiny model, {settings.get('steps')} steps × {settings.get('rows_per_step')} "
+            "rows: reward gain (last quarter − first)",
+            f"PPO {fmt_mean_se(ppo_gains(data, 'ppo'), signed=True)}, GRPO "
+            f"{fmt_mean_se(ppo_gains(data, 'grpo'), signed=True)} ({se_note(n, 'seed')})",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ TRL's own tests
+
+
+def trl_compat_counts(data: dict) -> tuple[int, int]:
+    """(kept, stock passes): tests that pass with stock TRL, and of those the ones that pass with the class swapped."""
+    tests = data["tests"]
+    outcome = lambda record, run: (record.get(run) or {}).get("outcome")  # noqa: E731
+    stock = [name for name, record in tests.items() if outcome(record, "stock") == "passed"]
+    kept = [name for name in stock if outcome(tests[name], "swapped") == "passed"]
+    return len(kept), len(stock)
+
+
+def render_trl_compat(section: Section) -> str:
+    data = section.first
+    summary, meta = data["summary"], data.get("meta", {})
+    kept, stock = trl_compat_counts(data)
+    source = meta.get("source", {})
+    out = [
+        f"TRL's `tests/test_grpo_trainer.py` (TRL commit `{source.get('trl_commit', '?')[:12]}`), run offline with "
+        "stock `GRPOTrainer` and with it swapped for `AsyncGRPOTrainer`; versions "
+        + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+        + ".",
+        "",
+        f"- Of {stock} tests that pass with stock TRL, **{kept} ({kept / stock:.1%})** pass with the class swapped; "
+        f"{summary.get('kept_async_proven', '?')} of them trained and logged asynchronous generation, "
+        f"{summary.get('kept_without_train', '?')} do not train.",
+        f"- Collected {summary.get('collected')}, excluded by the harness {summary.get('excluded_by_harness')} (each "
+        f"with its reason in the JSON), skipped by TRL's own marks {summary.get('skipped_by_trl_marks')}.",
+        "",
+    ]
+    groups = data.get("failure_groups", [])
+    if groups:
+        rows = [[g["cause"].splitlines()[0][:100], g["count"]] for g in groups]
+        out.append(table(["lost tests, by cause", "tests"], rows))
+    return "\n".join(out)
+
+
+def summary_trl_compat(section: Section) -> list[Row]:
+    kept, stock = trl_compat_counts(section.first)
+    return [
+        (
+            "TRL's own GRPO test file with `GRPOTrainer` swapped for `AsyncGRPOTrainer`",
+            f"{kept} of the {stock} stock passes kept ({kept / stock:.1%})",
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ vLLM backend bench
+
+
+def render_vllm_backends(section: Section) -> str:
+    data = section.first
+    reps = data["repeats"]
+    settings = data.get("settings", {})
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    ratio = [r["vllm"]["generate_s"] / r["hf"]["generate_s"] for r in reps]
+    out = [
+        f"Both generation backends in one process on the same batch ({settings.get('rows')} rows, up to "
+        f"{settings.get('max_new_tokens')} tokens, {settings.get('threads')} thread(s)), {len(reps)} repeats, each "
+        f"after publishing new weights; versions {data.get('versions')}.",
+        "",
+        table(
+            ["backend", "start-up s", "generation s/batch (median)", "weight update ms (median)"],
+            [
+                [
+                    name,
+                    num(data["startup_s"][name], ".1f"),
+                    num(med([r[name]["generate_s"] for r in reps]), ".3f"),
+                    num(med([r[name]["update_s"] * 1e3 for r in reps]), ".1f"),
+                ]
+                for name in ("hf", "vllm")
+            ],
+        ),  # fmt: skip
+        "",
+        f"- Generation seconds, vllm / hf, paired: {fmt_ratio(ratio, 'repeats')}.",
+    ]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ generic
+
+
+def render_generic(section: Section) -> str:
+    """For a benchmark without its own renderer yet: the scalar entries of its `summary` (or top level)."""
+    data = section.first
+    summary = data.get("summary", data)
+    rows = [[key, value] for key, value in summary.items() if isinstance(value, int | float | str)]
+    return table(["figure", "value"], rows) if rows else "(no scalar figures at the top of this file)"
+
+
+Renderer = Callable[[Section], str]
+Summarizer = Callable[[Section], list[Row]]

@@ -1,0 +1,260 @@
+"""`benchmarks/run_all.py --render-only`: RESULTS.md and README's table come from the results files, computed from
+their per-run records, and a missing file fails loudly.
+
+Every registered benchmark gets a small results file here, in the format its script writes, with figures chosen by
+hand so that the expected text can be worked out on paper (ratios per pair, medians, standard errors). The command
+runs for real, in a subprocess, on a temporary results folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_ALL = os.path.join(ROOT, "benchmarks", "run_all.py")
+
+
+def run_all_module():
+    spec = importlib.util.spec_from_file_location("run_all_under_test", RUN_ALL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def registry():
+    return run_all_module().REGISTRY
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+def main_job(pairs, regime=None, seeds=None):
+    """pairs: [(async train s, sync train s, async accuracy after, sync accuracy after)]."""
+    runs = []
+    for index, (a, s, acc_a, acc_s) in enumerate(pairs):
+        seed = seeds[index] if seeds else None
+        for mode, seconds, acc in (("async", a, acc_a), ("sync", s, acc_s)):
+            runs.append({"mode": mode, "train_seconds": seconds, "wall_seconds": seconds + 10.0, "steps": 240,
+                         "reward_first_quarter": 0.2, "reward_last_quarter": 0.4, "reward_gain": 0.2,
+                         "accuracy_before": 0.25, "accuracy_after": acc, "eval_samples": 500, "pair": index,
+                         "position": 0 if mode == "async" else 1, "seed": seed})  # fmt: skip
+    data = {"command": "python recipes/qwen_math.py [--async_generation false]", "pairs": len(pairs), "runs": runs,
+            # a stale summary: the renderer must compute from the runs, not copy this
+            "summary": {"speedup_train_seconds_sync_over_async": {"median": 9.99, "min": 9.99, "max": 9.99}}}  # fmt: skip
+    if regime:
+        data["regime"] = regime
+        data["environment"] = {"seen_by_the_recipe": {"OMP_NUM_THREADS": None, "torch_num_threads": 2}}
+    return data
+
+
+def async_bench(regime, trl_seconds, dapo_seconds):
+    def run(seconds):
+        return {"train_s": seconds, "step_end": [seconds * (k + 1) / 10 for k in range(10)], "rows_per_step": 32,
+                "reward": [0.1, 0.1, 0.2, 0.3], "mean_length": 20.0, "evicted_rows": 0,
+                "trainer_wait_s": [0.0] * 10, "generator_wait_s": [0.0] * 10}  # fmt: skip
+
+    runs = {"trl": [run(s) for s in trl_seconds], "async-dapo": [run(s) for s in dapo_seconds]}
+    return {"steps": 10, "repeats": len(trl_seconds), "regimes": {regime: {"probe": {"generate_s": 0.1, "train_s": 0.2},
+                                                                           "runs": runs}}}  # fmt: skip
+
+
+FIXTURES = {
+    # ratios 100/50 = 2.0 and 90/60 = 1.5: median 1.75 [1.50, 2.00]
+    "main_job": main_job([(50.0, 100.0, 0.6, 0.5), (60.0, 90.0, 0.6, 0.5)], regime="same_cores"),
+    # ratios 30/20 = 1.5 and 33/30 = 1.1
+    "main_job_accelerate": main_job([(20.0, 30.0, 0.6, 0.5), (30.0, 33.0, 0.6, 0.5)], regime="accelerate_launch"),
+    # accuracy differences +0.04 and -0.02: mean +0.010, standard error stdev / sqrt(2) = 0.030
+    "main_job_seeds": main_job([(10.0, 10.0, 0.54, 0.50), (10.0, 10.0, 0.48, 0.50)], seeds=[1, 2]),
+    "docs_style": {
+        "summary": {"steps": 120},
+        "runs": [
+            {
+                "trainer": t,
+                "train_s": s,
+                "wall_s": s + 5,
+                "rewards": [0.1, 0.2, 0.3, 0.4],
+                "pair": p,
+                "async_last_log": {"async/trainer_lent_cores_fraction": 0.25} if t == "async" else None,
+            }
+            for p, (trl, a) in enumerate([(30.0, 20.0), (36.0, 30.0)])
+            for t, s in (("trl", trl), ("async", a))
+        ],
+    },  # ratios 30/20 = 1.5 and 36/30 = 1.2: median 1.35 [1.20, 1.50]
+    "async_free": async_bench("free", [20.0, 24.0], [10.0, 16.0]),  # 2.0 and 1.5
+    "async_forced64": async_bench("forced64", [40.0], [32.0]),  # 1.25, one repeat
+    "components": {
+        regime: {
+            "completion_length_mean": 20.0,
+            "medians_s": {"generate_trl": 0.3, "generate_ours": 0.2, "train_trl": 0.4, "train_ours": 0.25},
+        }
+        for regime in ("free", "forced64")
+    },
+    "losses": {
+        "threads": 1,
+        "tau": 0.04,
+        "results": [
+            {
+                "B": 64,
+                "L": 256,
+                "regime": r,
+                "regime_name": r,
+                "repeats": 5,
+                "median_ms": {"dapo": 0.5},
+                "masked_fraction": {"m2po": m},
+                "paired_ratio_to_dapo": {
+                    "dapo": {"median": 1.0, "min": 1.0, "max": 1.0},
+                    "m2po": {"median": x, "min": x - 0.1, "max": x + 0.1},
+                },
+            }
+            for r, m, x in (("a", 0.0, 0.8), ("b", 0.01, 1.25))
+        ],
+    },
+    "rewards": {
+        "regimes": [
+            {
+                "batch": 64,
+                "length": 256,
+                "new_golds_per_batch": 8,
+                "repeats": 3,
+                "cold_ms": {"tensor (prepared)": {"median": 0.5}},
+                "paired_ratios": {
+                    "decode+regex (prepared) / tensor (prepared)": {"median": 12.0, "min": 3.0, "max": 40.0}
+                },
+                "paired_ratios_of_cpu_time": {
+                    "decode+regex (prepared) / tensor (prepared)": {"median": 7.0, "min": 5.0, "max": 9.0}
+                },
+            }
+        ],
+    },
+    "is_modes": {
+        "steps": 4,
+        "seeds": 2,
+        "learning_rate": 1e-4,
+        "runs": {
+            f"{mode}/S1": [{"reward": [0.0, 0.1, 0.2, r], "clipped_fraction": [0.01]} for r in (0.2, 0.4)]
+            for mode in ("sequence_mask", "token_truncate")
+        },
+    },
+    "ppo_vs_grpo": {
+        "settings": {"steps": 4, "rows_per_step": 64, "temperature": 0.7, "seeds": [0, 1]},
+        "runs": [
+            {"method": m, "seed": s, "seconds": 10.0, "reward": [0.0, 0.1, 0.2, g], "explained_variance": [None]}
+            for m, gains in (("ppo", (0.3, 0.5)), ("grpo", (0.2, 0.2)))
+            for s, g in zip((0, 1), gains, strict=True)
+        ],
+    },  # PPO gains 0.3 and 0.5: +0.400 ± 0.100
+    "trl_compat": {
+        # three stock passes, two of them kept; the summary's figures are stale and must not be used
+        "summary": {"kept": 99, "stock_passes": 100, "collected": 5},
+        "tests": {
+            "t1": {"stock": {"outcome": "passed"}, "swapped": {"outcome": "passed"}},
+            "t2": {"stock": {"outcome": "passed"}, "swapped": {"outcome": "failed"}},
+            "t3": {"stock": {"outcome": "passed"}, "swapped": {"outcome": "passed"}},
+            "t4": {"stock": {"outcome": "failed"}, "swapped": {"outcome": "passed"}},
+        },
+    },
+    "async_vllm": async_bench("free", [20.0], [25.0]),  # 0.8
+    "vllm_backends": {
+        "settings": {"rows": 8, "max_new_tokens": 4, "threads": 1},
+        "startup_s": {"hf": 1.0, "vllm": 9.0},
+        "repeats": [
+            {
+                "hf": {"update_s": 0.001, "generate_s": 0.2, "tokens": 32},
+                "vllm": {"update_s": 0.05, "generate_s": 0.3, "tokens": 32},
+            }
+        ],
+    },
+}
+
+README = "# Project\n\nIntro.\n\n{start}\nold table\n{end}\n\n## After\n\nUnchanged text.\n"
+
+
+def render_only(tmp_path, *extra) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, RUN_ALL, "--render-only", "--results-dir", str(tmp_path / "results"),
+           "--earlier-dir", str(tmp_path / "results"),
+           "--output", str(tmp_path / "RESULTS.md"), "--readme", str(tmp_path / "README.md"), *extra]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def write_results(tmp_path, names) -> dict:
+    module = run_all_module()
+    benchmarks = {b.name: b for b in module.REGISTRY}
+    folder = tmp_path / "results"
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / benchmarks[name].output).write_text(json.dumps(FIXTURES[name]))
+    (tmp_path / "README.md").write_text(README.format(start=module.README_START, end=module.README_END))
+    return benchmarks
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_every_registered_benchmark_has_a_fixture_here():
+    """A benchmark added to the registry without a fixture here would go unrendered by this test: add one."""
+    assert {b.name for b in registry()} == set(FIXTURES)
+
+
+def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
+    benchmarks = write_results(tmp_path, FIXTURES)
+    proc = render_only(tmp_path, "--strict")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "Do not edit by hand" in text
+    for index, bench in enumerate(benchmarks.values(), 1):
+        assert f"## {index}. {bench.title}" in text
+        assert f"]({os.path.join('results', bench.output)})" in text  # each section links its own results file
+    assert "_Not measured yet._" not in text
+    # figures worked out by hand from the runs above (never the stale summaries)
+    assert "**1.75× [1.50, 2.00] over 2 pairs**" in text  # main job, same cores
+    assert "**1.30× [1.10, 1.50] over 2 pairs**" in text  # main job, accelerate launch
+    assert "**1.35× [1.20, 1.50] over 2 pairs**" in text  # docs-style script
+    assert "9.99" not in text
+    assert "+0.010 ± 0.030 (mean ± standard error over 2 seeds)" in text  # accuracy over seeds
+    assert "the synchronous gain alone ranges from +0.200 to +0.200" in text
+    assert "1.75× [1.50, 2.00] over 2 repeats" in text  # bench_async, free
+    assert "1.25× (1 repeat)" in text  # bench_async, forced 64
+    assert "0.80× (1 repeat)" in text  # vLLM backend in training
+    assert "PPO +0.400 ± 0.100" in text
+    assert "2 of the 3 stock passes kept (66.7%)" in text
+    assert "7.0× by CPU time, 12.0× by wall time" in text
+    assert "0.80× with 0% masked; 1.25× with 1% masked" in text
+    assert "1.50× (1 repeat)" in text  # vLLM / hf generation seconds, 0.3 / 0.2
+
+
+def test_render_only_rewrites_only_the_readme_table(tmp_path):
+    write_results(tmp_path, FIXTURES)
+    proc = render_only(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    readme = (tmp_path / "README.md").read_text()
+    module = run_all_module()
+    head, rest = readme.split(module.README_START, 1)
+    table, tail = rest.split(module.README_END, 1)
+    assert head == "# Project\n\nIntro.\n\n" and tail == "\n\n## After\n\nUnchanged text.\n"
+    assert "old table" not in table
+    assert "**1.75× [1.50, 2.00] over 2 pairs**" in table
+    assert "](results/bench_main_job.json)" in table  # links from README's folder to the results file
+
+
+def test_a_missing_results_file_is_never_rendered_silently(tmp_path):
+    benchmarks = write_results(tmp_path, [n for n in FIXTURES if n != "main_job"])
+    # without --strict: the headline is shown as not measured, with the command that measures it
+    proc = render_only(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    section = text.split(f"## 1. {benchmarks['main_job'].title}", 1)[1].split("\n## ", 1)[0]
+    assert "_Not measured yet._" in section and "benchmarks/bench_main_job.py" in section
+    # --strict: an error that names it
+    proc = render_only(tmp_path, "--strict")
+    assert proc.returncode != 0 and "main_job" in proc.stderr
+    # a benchmark whose own file and earlier measurement are both missing: an error naming the earlier file
+    (tmp_path / "results" / benchmarks["docs_style"].output).unlink()
+    proc = render_only(tmp_path)
+    assert proc.returncode != 0
+    assert benchmarks["docs_style"].earlier.files[0] in proc.stderr
