@@ -3,10 +3,10 @@
 Contenders (all side by side in one run):
   dapo               TRL 1.16 ``_compute_loss`` with loss_type="dapo" (token-level PPO clip, sum / valid tokens)
   grpo               TRL 1.16 ``_compute_loss`` with loss_type="grpo" (mean over sequences of the per-sequence mean)
-  m2po               trl_async.losses.m2po_loss, rule="paper" (Algorithm 1 of arXiv:2510.01161; the default)
+  m2po               trl_async.algorithms.m2po.m2po_loss, rule="paper" (Algorithm 1 of arXiv:2510.01161; the default)
   m2po_all_tokens    m2po_loss, rule="all_tokens" (AReaL's candidate set)
   m2po_authors_code  m2po_loss, rule="authors_code" (the authors' training code: capped-mean cut as a PPO clip)
-  m2po_ref           trl_async.losses.reference_m2po_loss (the reference page's per-token rule)
+  m2po_ref           benchmarks/reference_page_m2po.py (the reference page's per-token rule)
 
 Staleness regimes for the log ratios delta = logp - logmu (tau = 0.04), calibrated on the "paper" rule:
   a  near on-policy: nothing masked
@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trl_async.losses import m2po_loss, m2po_mask, reference_m2po_loss  # noqa: E402
+from benchmarks.reference_page_m2po import reference_page_m2po_loss  # noqa: E402
+from trl_async.algorithms.m2po import m2po_loss, m2po_mask  # noqa: E402
 
 TAU = 0.04
 EPS_LOW = EPS_HIGH = 0.2
@@ -79,7 +80,7 @@ def _m2po(rule):
 
 
 def ours_m2po_ref(logp, old, adv, mask):
-    return reference_m2po_loss(logp, old, adv, mask, gamma=2.0, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)[0]
+    return reference_page_m2po_loss(logp, old, adv, mask, gamma=2.0, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH)[0]
 
 
 CONTENDERS = {
@@ -163,7 +164,7 @@ def time_case(B, L, regime, repeats, warmup, seed, device, names):
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     masked = {k: _masked_fraction(logp.detach() - old, mask, adv, rule) for k, rule in RULE_OF.items() if k in names}
     if "m2po_ref" in names:
-        masked["m2po_ref"] = float(reference_m2po_loss(logp.detach(), old, adv, mask)[1]["masked_fraction"])
+        masked["m2po_ref"] = reference_page_m2po_loss(logp.detach(), old, adv, mask)[1]
     return {
         "B": B,
         "L": L,

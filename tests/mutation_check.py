@@ -59,16 +59,16 @@ MUTATIONS = [
     ),
     Mutation(
         "last_use_off_by_one",
-        "trl_async/grpo.py",
-        "return self.state.global_step + (micro_step + group - 1) // a - micro_step // a",
-        "return self.state.global_step - 1 + (micro_step + group - 1) // a - micro_step // a",
+        "trl_async/trainers/engine.py",
+        "return self.state.global_step + versions_until_last_use(self._step, g, a)",
+        "return self.state.global_step - 1 + versions_until_last_use(self._step, g, a)",
         ("tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",),
         "the trainer's last-use version is one step early: rows one step too old pass the bound",
     ),
     Mutation(
         "schedule_term_dropped",
-        "trl_async/grpo.py",
-        "return self.state.global_step + (micro_step + group - 1) // a - micro_step // a",
+        "trl_async/trainers/engine.py",
+        "return self.state.global_step + versions_until_last_use(self._step, g, a)",
         "return self.state.global_step",
         ("tests/test_engine.py::test_forced_eviction_in_a_real_run_skips_stale_batches_and_finishes",),
         "a batch trained on across several optimizer steps is checked at its first use only",
@@ -110,7 +110,7 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- importance correction
     Mutation(
         "importance_correction_off",
-        "trl_async/grpo.py",
+        "trl_async/trainers/engine.py",
         "and bool(self.args.vllm_importance_sampling_correction)",
         "and False",
         ("tests/test_importance_trainer.py",),
@@ -118,18 +118,16 @@ MUTATIONS = [
     ),
     Mutation(
         "importance_weight_inverted",
-        "trl_async/grpo.py",
-        """            old_logps,
-            inputs["sampling_per_token_logps"],""",
-        """            inputs["sampling_per_token_logps"],
-            old_logps,""",
+        "trl_async/trainers/grpo.py",
+        'weights = self._behaviour_weights(old_logps, inputs["sampling_per_token_logps"], mask)',
+        'weights = self._behaviour_weights(inputs["sampling_per_token_logps"], old_logps, mask)',
         ("tests/test_importance_trainer.py",),
         "the weight is μ/π_old instead of π_old/μ",
     ),
     # --------------------------------------------------------------------------------------- behaviour log-probs
     Mutation(
         "mu_from_raw_logits",
-        "trl_async/rollout/backends.py",
+        "trl_async/rollout/backends/hf.py",
         "processors.append(recorder)",
         "processors.insert(0, recorder)",
         ("tests/test_backends.py",),
@@ -137,7 +135,7 @@ MUTATIONS = [
     ),
     Mutation(
         "importance_against_processed_mu",
-        "trl_async/rollout/backends.py",
+        "trl_async/rollout/backends/base.py",
         "return self.policy_logprobs if self.policy_logprobs is not None else self.logprobs",
         "return self.logprobs",
         (
@@ -174,17 +172,17 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- M2PO
     Mutation(
         "m2po_normalizer_ignores_accumulation",
-        "trl_async/grpo.py",
+        "trl_async/trainers/engine.py",
         """        if mode == "train":
-            normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
-        if args.m2po_variant == "m2po":""",
-        """        if args.m2po_variant == "m2po":""",
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return normalizer""",
+        """        return normalizer""",
         ("tests/test_m2po_trainer.py::test_trainer_m2po_loss_equals_an_independent_computation",),
         "M2PO's loss is normalized by the generation batch, not by the accumulation window (TRL dapo's normalizer)",
     ),
     Mutation(
         "m2po_paper_without_trust_region",
-        "trl_async/losses.py",
+        "trl_async/algorithms/m2po.py",
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
@@ -193,7 +191,7 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- PPO
     Mutation(
         "gae_lambda_dropped",
-        "trl_async/ppo_math.py",
+        "trl_async/algorithms/ppo.py",
         "running = deltas[..., t] + (gamma * lam) * running",
         "running = deltas[..., t] + gamma * running",
         ("tests/test_ppo_math.py",),
@@ -250,7 +248,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prefill_cache_given_to_the_wrong_rows",
-        "trl_async/rollout/backends.py",
+        "trl_async/rollout/backends/hf.py",
         "cache.batch_select_indices(row_to_prompt)",
         "cache.batch_select_indices(row_to_prompt.flip(0))",
         ("tests/test_backends.py",),
@@ -258,7 +256,7 @@ MUTATIONS = [
     ),
     Mutation(
         "policy_recorder_shared_under_warpers",
-        "trl_async/rollout/backends.py",
+        "trl_async/rollout/backends/hf.py",
         "if not processors and policy_recorder.temperature == 1.0:",
         "if policy_recorder.temperature == 1.0:",
         ("tests/test_backends.py",),
@@ -291,7 +289,7 @@ MUTATIONS = [
     ),
     Mutation(
         "offpolicy_ess_unnormalized",
-        "trl_async/offpolicy.py",
+        "trl_async/algorithms/offpolicy.py",
         "return weight_sum**2 / (tokens * weight_sq_sum)",
         "return weight_sum / tokens",
         ("tests/test_offpolicy.py",),
@@ -299,7 +297,7 @@ MUTATIONS = [
     ),
     Mutation(
         "offpolicy_after_ignores_the_treatment",
-        "trl_async/offpolicy.py",
+        "trl_async/algorithms/offpolicy.py",
         "torch.where(kept, after.square(), 0.0).sum(),",
         "torch.where(valid, delta.square(), 0.0).sum(),",
         ("tests/test_offpolicy.py",),
@@ -307,7 +305,7 @@ MUTATIONS = [
     ),
     Mutation(
         "row_age_from_the_wrong_version",
-        "trl_async/grpo.py",
+        "trl_async/trainers/engine.py",
         'ages = self.state.global_step - inputs["rollout_versions"]',
         'ages = self.state.global_step - inputs["rollout_versions"] - 1',
         ("tests/test_offpolicy.py::test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_staleness",),

@@ -178,7 +178,7 @@ def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, datas
 
     def recording_next_batch(*args, **kwargs):
         batch = next_batch(*args, **kwargs)
-        seen.append((batch.payload["stream_index"], batch.from_trainer))
+        seen.append((batch.payload.stream_index, batch.from_trainer))
         return batch
 
     monkeypatch.setattr(trainer._rollout, "next_batch", recording_next_batch)
@@ -390,5 +390,5 @@ def test_ranks_sharing_a_group_never_sample_identical_completions(tokenizer):
         )
         batches[rank] = [producer.produce(i) for i in range(3)]
     for first, second in zip(batches[0], batches[1], strict=True):
-        assert first["rows"] == second["rows"]  # the same prompt: one group across both ranks
-        assert first["completion_ids"] != second["completion_ids"]
+        assert first.rows == second.rows  # the same prompt: one group across both ranks
+        assert first.completion_ids != second.completion_ids

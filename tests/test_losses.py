@@ -8,16 +8,18 @@ held-out brute force in test_losses_paper_heldout.py.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import struct
+import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_async.losses import (
+from trl_async.algorithms.m2po import (
     M2PO_RULES,
     M2PO_STAT_KEYS,
     M2PO_SUM_KEYS,
@@ -25,7 +27,6 @@ from trl_async.losses import (
     m2po_mask,
     m2po_metrics,
     m2po_select,
-    reference_m2po_loss,
 )
 
 # --------------------------------------------------------------------------------------------------------
@@ -395,10 +396,11 @@ def _regime_case(seed: int, B: int, T: int, regime: str, rule: str = "all_tokens
 
 
 def _accelerator_branch(monkeypatch):
-    """Run the path taken for tensors outside host memory (one packed read, nonzero_static) on CPU."""
-    import trl_async.losses as losses_module
-
-    monkeypatch.setattr(losses_module, "_host_tensors", lambda device: False)
+    """Run the path taken for tensors outside host memory (one packed read, nonzero_static) on CPU: this module's
+    calls of the selection go through `host_memory=False`."""
+    module = sys.modules[__name__]
+    for name in ("m2po_mask", "m2po_select", "m2po_loss"):
+        monkeypatch.setattr(module, name, functools.partial(getattr(module, name), host_memory=False))
 
 
 @pytest.mark.parametrize("branch", ["host", "accelerator"])
@@ -851,79 +853,6 @@ def test_precomputed_selection_gives_the_same_loss(rule):
     assert torch.equal(stats_a["sums"], stats_b["sums"])
     with pytest.raises(ValueError, match="shape"):
         m2po_loss(logp[:2], behaviour[:2], adv[:2], mask[:2], selection=sel)
-
-
-# --------------------------------------------------------------------------------------------------------
-# reference_m2po_loss
-# --------------------------------------------------------------------------------------------------------
-
-
-def _reference_by_hand(logp, behaviour, adv, mask, gamma, el, eh):
-    B, T = len(logp), len(logp[0])
-    num, kept = 0.0, 0
-    grads = [[0.0] * T for _ in range(B)]
-    terms = []
-    deltas, advs, valids, keeps = [], [], [], []
-    for i in range(B):
-        for t in range(T):
-            d = f32(logp[i][t] - behaviour[i][t])
-            deltas.append(d)
-            advs.append(adv[i][t])
-            valids.append(bool(mask[i][t]))
-            r = math.exp(d)
-            keeps.append(bool(mask[i][t]) and r * r <= gamma)
-            if not keeps[-1]:
-                continue
-            kept += 1
-            a = adv[i][t]
-            clipped = min(max(r, 1 - el), 1 + eh)
-            unclipped_term, clipped_term = r * a, clipped * a
-            num += min(unclipped_term, clipped_term)
-            # d/dlogp min(r a, clip(r) a): r a when the unclipped branch is the min or clip is inactive.
-            clip_active = r > 1 + eh or r < 1 - el
-            terms.append((i, t, r * a if (unclipped_term <= clipped_term or not clip_active) else 0.0))
-    denom = max(1, kept)
-    for i, t, gt in terms:
-        grads[i][t] = -gt / denom
-    return -num / denom, grads, _expected_stats(deltas, advs, valids, keeps)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_reference_rule_matches_hand_derivation(seed):
-    g = torch.Generator().manual_seed(100 + seed)
-    B, T = 4, 25
-    behaviour = -torch.rand(B, T, generator=g) * 2
-    # Ratios spread over ~[0.3, 3]: some outside the clip range, some with r^2 > gamma.
-    logp = (behaviour + torch.randn(B, T, generator=g) * 0.5).requires_grad_()
-    lengths = torch.randint(0, T + 1, (B,), generator=g)
-    lengths[0] = T
-    mask = torch.arange(T)[None] < lengths[:, None]
-    # Padding carries huge ratios: if padding were kept, the loss would differ.
-    with torch.no_grad():
-        logp[~mask] = behaviour[~mask] + 0.1
-    adv = torch.randn(B, generator=g)
-    loss, stats = reference_m2po_loss(logp, behaviour, adv, mask, gamma=2.0, epsilon_low=0.2, epsilon_high=0.28)
-    loss.backward()
-    adv2 = [[adv[i].item()] * T for i in range(B)]
-    exp_loss, exp_grad, exp_stats = _reference_by_hand(
-        logp.detach().tolist(), behaviour.tolist(), adv2, mask.tolist(), 2.0, 0.2, 0.28
-    )
-    assert loss.item() == pytest.approx(exp_loss, rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(logp.grad, torch.tensor(exp_grad), rtol=1e-5, atol=1e-7)
-    _check_stats(stats, exp_stats)
-    # The case really exercises the masking and both clip sides.
-    assert 0 < exp_stats["masked_fraction"] < 1
-    d = (logp.detach() - behaviour)[mask]
-    assert (d.exp() > 1.28).any() and (d.exp() < 0.8).any()
-
-
-def test_reference_rule_padding_and_all_masked():
-    # Padding is never kept even when its ratio is perfect; all valid tokens with r^2 > gamma -> zero loss.
-    logp = torch.tensor([[1.0, 1.0, 0.0]], requires_grad=True)
-    loss, stats = reference_m2po_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.tensor([[1, 1, 0]]))
-    loss.backward()
-    assert loss.item() == 0.0 and stats["all_masked"].item() is True
-    assert stats["masked_fraction"].item() == 1.0 and torch.equal(logp.grad, torch.zeros(1, 3))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ def train(tmp_path, tokenizer, dataset, **overrides):
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(m2po_rule="paper"), dict(m2po_rule="authors_code"), dict(m2po_variant="reference_page")],
-    ids=["paper", "authors_code", "reference_page"],
+    [dict(m2po_rule="paper"), dict(m2po_rule="authors_code")],
+    ids=["paper", "authors_code"],
 )
 def test_m2po_trains_with_finite_loss_and_metrics(tmp_path, tokenizer, dataset, settings):
     logged = train(tmp_path, tokenizer, dataset, trainer_generates_while_starting=False, **settings)
@@ -157,7 +157,6 @@ def test_m2po_rejects_features_it_does_not_implement(tmp_path, tokenizer, datase
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [({"m2po_threshold": 0.0}, "m2po_threshold"), ({"m2po_threshold": -1.0}, "m2po_threshold"),
-     ({"m2po_variant": "clip"}, "m2po_variant"), ({"m2po_gamma": 0.0}, "m2po_gamma"),
      ({"m2po_rule": "aligned"}, "m2po_rule"), ({"m2po_scope": "rank"}, "m2po_scope"),
      ({"m2po_clip_floor_low": 0.3}, "m2po_clip_floor_low"),
      ({"m2po_rule": "authors_code", "m2po_clip_floor_low": 1.5}, "m2po_clip_floor_low"),

@@ -9,9 +9,6 @@ import random
 import pytest
 import torch
 from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
-
-from trl_async.data import make_arithmetic_dataset
-from trl_async.importance import truncated_importance_weights
 from trl_async.offpolicy import (
     OFFPOLICY_SUM_KEYS,
     OffPolicyWindow,
@@ -19,6 +16,9 @@ from trl_async.offpolicy import (
     offpolicy_sums,
     row_age_counts,
 )
+
+from trl_async.data import make_arithmetic_dataset
+from trl_async.importance import truncated_importance_weights
 
 
 def _random_case(seed: int, rows=5, width=7):
@@ -209,8 +209,9 @@ def test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_stalenes
 
 
 def test_m2po_sums_count_masked_and_clipped_tokens_of_the_selection():
-    from trl_async.losses import m2po_select
     from trl_async.offpolicy import m2po_offpolicy_sums
+
+    from trl_async.losses import m2po_select
 
     generator = torch.Generator().manual_seed(5)
     delta = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 0.6

@@ -98,7 +98,6 @@ def test_public_names_and_single_generation():
         ({"critic_learning_rate": 0.0}, "critic_learning_rate"),
         ({"loss_type": "dapo"}, "loss_type"),
         ({"beta": 0.3}, "beta"),
-        ({"loss_type": "m2po", "m2po_variant": "token"}, "m2po_variant"),
         ({"entropy_coef": 0.01}, "entropy_coef"),
         ({"epsilon_high": 0.3}, "epsilon_high"),
         ({"max_staleness": -1}, "max_staleness"),  # the engine's own validation still runs

@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "AsyncGRPOConfig": ".config",
-    "AsyncGRPOTrainer": ".grpo",
-    "AsyncPPOConfig": ".config",
-    "AsyncPPOTrainer": ".ppo",
+    "AsyncGRPOTrainer": ".trainers.grpo",
+    "AsyncPPOConfig": ".ppo_config",
+    "AsyncPPOTrainer": ".trainers.ppo",
     "StalenessBoundedQueue": ".rollout",
 }
 

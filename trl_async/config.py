@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .losses import M2PO_RULES, M2PO_SCOPES
-from .rollout.queue import last_use_version
+from .algorithms.m2po import M2PO_RULES, M2PO_SCOPES
+from .schedule import default_max_staleness, usage_span
 
 logger = logging.getLogger(__name__)
 
 GENERATION_BACKENDS = ("hf", "vllm")
-M2PO_VARIANTS = ("m2po", "reference_page")
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
 
@@ -188,22 +187,10 @@ class AsyncGRPOConfig(GRPOConfig):
             "no shipped script sets it). The clip's upper ratio bound is at least 1 + high. None = off."
         },
     )
-    m2po_variant: str = field(
-        default="m2po",
-        metadata={
-            "help": "'m2po': the published M2PO family (m2po_rule picks the rule). 'reference_page': the per-token rule "
-            "r² ≤ m2po_gamma inside the PPO clip, as printed on the AsyncTensorRLHF page; not the published M2PO, "
-            "kept only to reproduce that page's figures side by side."
-        },
-    )
-    m2po_gamma: float = field(
-        default=2.0,
-        metadata={"help": "γ of m2po_variant='reference_page': a token is kept when r² ≤ γ."},
-    )
 
     def __post_init__(self):
         super().__post_init__()
-        ensure_async_fields(self)
+        ensure_async_fields(self, LOSS_TYPES)
 
 
 ASYNC_FIELDS = tuple(
@@ -219,7 +206,7 @@ def async_field(args, name: str):
 _ASYNC_DEFAULTS = {f.name: f.default for f in ASYNC_FIELDS}
 
 
-def ensure_async_fields(args: GRPOConfig) -> GRPOConfig:
+def ensure_async_fields(args: GRPOConfig, loss_types: tuple[str, ...] = LOSS_TYPES) -> GRPOConfig:
     """Give a plain `GRPOConfig` the async defaults (in place), resolve `max_staleness=None`, and validate.
 
     A value the user set explicitly is validated as given: too small a `max_staleness` for the schedule is an error.
@@ -238,13 +225,8 @@ def ensure_async_fields(args: GRPOConfig) -> GRPOConfig:
             args.max_staleness,
             usage_span(args) + 1,
         )
-    validate_async_fields(args)
+    validate_async_fields(args, loss_types)
     return args
-
-
-def default_max_staleness(args) -> int:
-    """The smallest bound that lets batch n+1 be generated while batch n trains: its usage span plus one."""
-    return usage_span(args) + 1
 
 
 def _check(condition: bool, message: str) -> None:
@@ -252,11 +234,12 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def validate_async_fields(args) -> None:
-    """Validate the async and M2PO fields, and their consistency with TRL's batch geometry."""
+def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> None:
+    """Validate the async and M2PO fields, and their consistency with TRL's batch geometry. `loss_types`: those the
+    trainer implements (`LOSS_TYPES` for `AsyncGRPOTrainer`, `ppo_config.PPO_LOSS_TYPES` for `AsyncPPOTrainer`)."""
     _check(
-        args.loss_type in LOSS_TYPES,
-        f"loss_type={args.loss_type!r} is unknown. Use one of {list(LOSS_TYPES)}.",
+        args.loss_type in loss_types,
+        f"loss_type={args.loss_type!r} is unknown. Use one of {list(loss_types)}.",
     )
     fixed = args.fixed_staleness
     _check(
@@ -315,11 +298,6 @@ def validate_async_fields(args) -> None:
         f"m2po_threshold must be > 0 (τ_M2, the paper uses 0.04), got {args.m2po_threshold!r}.",
     )
     _check(
-        args.m2po_variant in M2PO_VARIANTS,
-        f"m2po_variant={args.m2po_variant!r} is unknown. Use 'm2po' (the published M2PO, rule set by m2po_rule) or "
-        "'reference_page' (the AsyncTensorRLHF page's token rule).",
-    )
-    _check(
         args.m2po_rule in M2PO_RULES,
         f"m2po_rule={args.m2po_rule!r} is unknown. Use 'paper' (Algorithm 1, the default), 'all_tokens' (AReaL's "
         "candidate set) or 'authors_code' (the authors' training code); see docs/m2po.md.",
@@ -337,15 +315,10 @@ def validate_async_fields(args) -> None:
     )
     if args.loss_type == "m2po" and args.m2po_scope == "global":
         _check(
-            args.m2po_variant == "m2po",
-            "m2po_scope='global' applies to m2po_variant='m2po' only; use m2po_scope='micro_batch'.",
-        )
-        _check(
             getattr(args, "gradient_accumulation_steps", 1) == 1,
             "m2po_scope='global' selects over the whole optimizer batch and needs gradient_accumulation_steps=1 "
             "(raise per_device_train_batch_size instead), or use m2po_scope='micro_batch'.",
         )
-    _check(args.m2po_gamma is not None and args.m2po_gamma > 0, f"m2po_gamma must be > 0, got {args.m2po_gamma!r}.")
 
     if args.async_generation and args.max_staleness is not None:
         span = usage_span(args)
@@ -364,216 +337,19 @@ def validate_async_fields(args) -> None:
         )
 
 
-def micro_steps_per_generation(args) -> int:
-    """How many training micro-steps one generation batch feeds (TRL's `generate_every`)."""
-    return args.steps_per_generation * args.num_iterations
+_MOVED_TO_PPO_CONFIG = ("AsyncPPOConfig", "PPO_LOSS_TYPES", "PPO_KL_ESTIMATORS", "validate_ppo_fields")
 
 
-def first_and_last_use(index: int, args, base_version: int = 0) -> tuple[int, int]:
-    """Policy versions at which generation batch `index` first and last enters a loss.
+def __getattr__(name):  # PEP 562: the PPO config moved to `trl_async.ppo_config`
+    if name in _MOVED_TO_PPO_CONFIG:
+        import warnings
 
-    TRL generates at micro-steps 0, g, 2g, ... (g = steps_per_generation * num_iterations) and takes an optimizer step
-    every `gradient_accumulation_steps` micro-steps, so batch n is used at micro-steps [n g, n g + g - 1].
-    """
-    g, a = micro_steps_per_generation(args), args.gradient_accumulation_steps
-    return base_version + (index * g) // a, last_use_version(index, g, a, base_version)
+        from . import ppo_config
 
-
-def usage_span(args) -> int:
-    """Most optimizer steps between the first and last use of one generation batch (the schedule repeats every a)."""
-    return max(
-        last - first for first, last in (first_and_last_use(n, args) for n in range(args.gradient_accumulation_steps))
-    )
-
-
-# =====================================================================================================================
-# AsyncPPOConfig: PPO with a learned critic (the trainer is `trl_async.ppo.AsyncPPOTrainer`, the math
-# `trl_async.ppo_math`, docs/ppo.md). Knob names and defaults are those of TRL's former `PPOConfig` (removed in TRL 1.13).
-# =====================================================================================================================
-
-PPO_LOSS_TYPES = ("ppo", "m2po")
-PPO_KL_ESTIMATORS = ("k1", "k3")
-# The GRPO loss type the engine's validation and TRL's `GRPOTrainer.__init__` see while `loss_type="ppo"` (which they
-# do not know): "dapo", TRL's default, whose clipped surrogate and token normalisation are PPO's. Nothing else reads it.
-_GRPO_STAND_IN_FOR_PPO = "dapo"
-
-
-class _OneGeneration(int):
-    """The integer 1, for the length of `GRPOConfig.__post_init__` only. TRL rejects `num_generations < 2` because
-    GRPO's group baseline needs two samples per prompt; PPO's baseline is the critic, so one sample per prompt is
-    enough. Arithmetic (the divisibility checks) sees 1; only that one comparison is answered as for 2."""
-
-    def __lt__(self, other):
-        return 2 < other
-
-
-class grpo_view_of_ppo_args:  # noqa: N801 (a context manager, used like a function)
-    """`with grpo_view_of_ppo_args(args):` while the block runs, `args.loss_type` reads as a GRPO loss type when it
-    is "ppo", so that the engine's `validate_async_fields` (GRPO's loss types) and `GRPOTrainer.__init__` accept a
-    PPO config. Restored on exit, whatever happens."""
-
-    def __init__(self, args):
-        self.args = args
-        self.loss_type = args.loss_type
-
-    def __enter__(self):
-        if self.loss_type == "ppo":
-            self.args.loss_type = _GRPO_STAND_IN_FOR_PPO
-        return self.args
-
-    def __exit__(self, *exc):
-        self.args.loss_type = self.loss_type
-        return False
-
-
-@dataclass
-class AsyncPPOConfig(AsyncGRPOConfig):
-    r"""
-    [`AsyncGRPOConfig`] plus the PPO parameters of [`AsyncPPOTrainer`]: a learned critic, KL-shaped per-token rewards
-    and GAE (math and sources: docs/ppo.md).
-
-    PPO's former TRL knobs map onto the GRPO schedule: `num_ppo_epochs` is `num_iterations`, `num_mini_batches` is
-    `steps_per_generation`. `kl_coef` sets `beta` (TRL then computes the reference log-probs: a reference model, or
-    the disabled adapter under PEFT), but PPO puts the KL into the reward, not into the loss. GRPO-only settings that
-    PPO does not read: `scale_rewards`, `epsilon` (PPO's clip is `cliprange`).
-    """
-
-    num_generations: int | None = field(
-        default=1,
-        metadata={
-            "help": "Completions per prompt. PPO needs no group of samples (the critic is the baseline), so 1 is the "
-            "default; more give more rows per prompt."
-        },
-    )
-    loss_type: str = field(
-        default="ppo",
-        metadata={
-            "help": "Policy loss. 'ppo': PPO's clipped surrogate (Schulman et al. 2017) with the truncated importance "
-            "weight π_old/μ against the behaviour policy for stale rows. 'm2po': M2PO's second-moment trust region "
-            "against μ (Zheng et al. 2025; m2po_threshold, m2po_rule, per micro-batch)."
-        },
-    )
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss in the total loss."})
-    cliprange: float = field(
-        default=0.2, metadata={"help": "ε of PPO's clipped surrogate: the ratio π_θ/π_old is clipped to [1-ε, 1+ε]."}
-    )
-    cliprange_value: float | None = field(
-        default=0.2,
-        metadata={
-            "help": "Value clipping: the new value is clipped to old value ± cliprange_value in the value loss. "
-            "None: no clipping."
-        },
-    )
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor γ of GAE, in [0, 1]."})
-    lam: float = field(default=0.95, metadata={"help": "λ of GAE, in [0, 1] (0: TD(0), 1: Monte-Carlo returns)."})
-    kl_coef: float = field(
-        default=0.05,
-        metadata={"help": "β of the KL-shaped per-token reward -β·KL(π_old ‖ π_ref). 0 disables the reference model."},
-    )
-    kl_estimator: str = field(
-        default="k1",
-        metadata={"help": "Estimator of the per-token KL in the reward: 'k1' (log-ratio) or 'k3' (Schulman 2020)."},
-    )
-    whiten_rewards: bool = field(
-        default=False,
-        metadata={"help": "Whiten the per-token rewards (mean kept) over the batch before GAE."},
-    )
-    whiten_advantages: bool = field(
-        default=True,
-        metadata={"help": "Whiten the advantages over the batch's valid tokens (TRL's former PPOTrainer always did)."},
-    )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Subtracted from the score of every completion that ends without an EOS token (truncated at "
-            "max_completion_length). None: no penalty."
-        },
-    )
-    critic_learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": "Learning rate of the critic's own parameters (the value model, or the value head and value "
-            "adapter under PEFT). None: learning_rate. The scheduler applies to both."
-        },
-    )
-
-    def __post_init__(self):
-        _check(
-            self.kl_coef is not None and self.kl_coef >= 0,
-            f"kl_coef must be >= 0 (0 disables the KL penalty), got {self.kl_coef!r}.",
+        warnings.warn(
+            f"trl_async.config.{name} moved to trl_async.ppo_config; import AsyncPPOConfig from trl_async.",
+            FutureWarning,
+            stacklevel=2,
         )
-        _check(
-            self.beta in (0.0, self.kl_coef),
-            f"beta={self.beta!r} is GRPO's KL-loss coefficient; AsyncPPOConfig puts the KL into the reward with "
-            f"kl_coef (beta follows it). Leave beta unset and set kl_coef instead.",
-        )
-        self.beta = self.kl_coef  # TRL computes the reference log-probs iff beta != 0
-        single = self.num_generations == 1
-        if single:
-            self.num_generations = _OneGeneration(1)
-        try:
-            with grpo_view_of_ppo_args(self):
-                super().__post_init__()
-        finally:
-            if single:
-                self.num_generations = 1
-        validate_ppo_fields(self)
-
-
-def validate_ppo_fields(args) -> None:
-    """Validate the PPO fields and refuse GRPO loss options that the PPO loss does not implement."""
-    _check(
-        args.loss_type in PPO_LOSS_TYPES,
-        f"loss_type={args.loss_type!r} is not a PPO loss. Use one of {list(PPO_LOSS_TYPES)} (the GRPO loss types "
-        "belong to AsyncGRPOTrainer).",
-    )
-    _check(args.vf_coef is not None and args.vf_coef >= 0, f"vf_coef must be >= 0, got {args.vf_coef!r}.")
-    _check(
-        args.cliprange is not None and args.cliprange > 0,
-        f"cliprange must be > 0 (PPO's ε, TRL's default 0.2), got {args.cliprange!r}.",
-    )
-    _check(
-        args.cliprange_value is None or args.cliprange_value > 0,
-        f"cliprange_value must be > 0, or None for an unclipped value loss, got {args.cliprange_value!r}.",
-    )
-    for name in ("gamma", "lam"):
-        value = getattr(args, name)
-        _check(value is not None and 0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}.")
-    _check(
-        args.kl_estimator in PPO_KL_ESTIMATORS,
-        f"kl_estimator={args.kl_estimator!r} is unknown. Use one of {list(PPO_KL_ESTIMATORS)}.",
-    )
-    _check(
-        args.missing_eos_penalty is None or args.missing_eos_penalty >= 0,
-        f"missing_eos_penalty must be >= 0 (it is subtracted from the score), or None, got "
-        f"{args.missing_eos_penalty!r}.",
-    )
-    _check(
-        args.critic_learning_rate is None or args.critic_learning_rate > 0,
-        f"critic_learning_rate must be > 0, or None to use learning_rate, got {args.critic_learning_rate!r}.",
-    )
-    if args.loss_type == "m2po":
-        _check(
-            args.m2po_variant == "m2po",
-            f"m2po_variant={args.m2po_variant!r} is not available with AsyncPPOConfig; use m2po_variant='m2po' "
-            "(the published M2PO; m2po_rule picks its rule).",
-        )
-        _check(
-            args.m2po_scope == "micro_batch",
-            "AsyncPPOConfig selects M2PO tokens per micro-batch; use m2po_scope='micro_batch'.",
-        )
-    unsupported = {
-        "top_entropy_quantile < 1": args.top_entropy_quantile < 1.0,
-        "entropy_coef != 0": bool(args.entropy_coef),
-        "use_adaptive_entropy=True": bool(args.use_adaptive_entropy),
-        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
-        "importance_sampling_level='sequence'": args.importance_sampling_level != "token",
-        "delta": args.delta is not None,
-        "epsilon_high (PPO's clip is cliprange)": args.epsilon_high is not None,
-        "multi_objective_aggregation='normalize_then_sum' (PPO scores the weighted sum of the rewards)": (
-            args.multi_objective_aggregation != "sum_then_normalize"
-        ),
-        "use_vllm=True": bool(args.use_vllm),
-    }
-    used = [name for name, on in unsupported.items() if on]
-    _check(not used, f"AsyncPPOConfig does not support {', '.join(used)}: these belong to GRPO's loss. Unset them.")
+        return getattr(ppo_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

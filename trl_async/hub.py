@@ -81,7 +81,7 @@ TRL_CITATION = """@software{vonwerra2020trl,
 # Configuration fields shown on the card, in order; a field the trainer's args lack is skipped, so the PPO config
 # (vf_coef, gamma, lam, ...) and future fields need no change here.
 COMMON_CONFIG_FIELDS = (
-    "loss_type", "async_generation", "max_staleness", "weight_sync_steps", "m2po_threshold", "m2po_variant", "m2po_rule",
+    "loss_type", "async_generation", "max_staleness", "weight_sync_steps", "m2po_threshold", "m2po_rule",
     "m2po_scope", "learning_rate", "lr_scheduler_type", "warmup_steps", "per_device_train_batch_size",
     "gradient_accumulation_steps", "steps_per_generation", "num_iterations", "max_completion_length", "temperature",
     "seed",
@@ -90,7 +90,7 @@ KIND_CONFIG_FIELDS = {
     "grpo": ("num_generations", "beta", "scale_rewards", "epsilon", "epsilon_high"),
     "ppo": ("vf_coef", "cliprange", "cliprange_value", "gamma", "lam", "kl_coef", "whiten_rewards"),
 }
-M2PO_ONLY_FIELDS = ("m2po_threshold", "m2po_variant", "m2po_rule", "m2po_scope")
+M2PO_ONLY_FIELDS = ("m2po_threshold", "m2po_rule", "m2po_scope")
 
 CARD_TEMPLATE = """---
 {{ card_data }}

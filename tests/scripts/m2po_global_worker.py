@@ -2,7 +2,7 @@
 
     python tests/scripts/m2po_global_worker.py RANK WORLD INIT_FILE OUT_DIR
 
-Loads trl_async/losses.py and the cases by path (the package's __init__ imports TRL, which takes long on a busy
+Loads trl_async/algorithms/m2po.py and the cases by path (the package's __init__ imports TRL, which takes long on a busy
 machine and is not needed here), joins a gloo process group through INIT_FILE, runs ``m2po_select_global`` on its
 part of every case, and saves what it got to OUT_DIR/rank<RANK>.pt.
 """
@@ -29,7 +29,7 @@ def _load(name: str, path: Path):
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    losses = _load("m2po_losses_under_test", HERE.parents[1] / "trl_async" / "losses.py")
+    losses = _load("m2po_losses_under_test", HERE.parents[1] / "trl_async" / "algorithms" / "m2po.py")
     cases = _load("m2po_global_cases", HERE / "m2po_global_cases.py")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -47,14 +47,9 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 ],
             }
             # The accelerator branch (sizes from the header, nonzero_static), run on CPU.
-            on_host = losses._host_tensors
-            losses._host_tensors = lambda device: False
-            try:
-                sel_acc = losses.m2po_select_global(
-                    delta, mask, tau, adv, rule, clip_floor_low=low, clip_floor_high=high
-                )
-            finally:
-                losses._host_tensors = on_host
+            sel_acc = losses.m2po_select_global(
+                delta, mask, tau, adv, rule, clip_floor_low=low, clip_floor_high=high, host_memory=False
+            )
             record["keep_accelerator_branch"] = [
                 s.keep.clone() for s in (sel_acc if isinstance(sel_acc, list) else [sel_acc])
             ]

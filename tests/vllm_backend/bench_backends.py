@@ -23,7 +23,7 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     from vllm_helpers import EOS, PAD, generation_config, model_spec, perturb_, stores_for, tiny_model, tiny_prompts
 
     from trl_async.rollout.backends import HFBackend
-    from trl_async.rollout.vllm_backend import VLLMBackend
+    from trl_async.rollout.backends.vllm import VLLMBackend
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="completions per batch (GRPO: prompts x generations)")

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     EOS,
     PAD,
+    engine_sequence_logprobs,
     generation_config,
     hf_logits,
     hf_sequence_logprobs,
@@ -23,7 +24,7 @@ from vllm_helpers import (  # noqa: E402
     tiny_prompts,
 )
 
-from trl_async.rollout.vllm_backend import VLLMBackend, sampling_kwargs  # noqa: E402
+from trl_async.rollout.backends.vllm import VLLMBackend, sampling_kwargs  # noqa: E402
 
 TOLERANCE = 1e-3  # float32 engine vs float32 transformers, as the bar
 
@@ -59,7 +60,7 @@ def _fixed_sequences(n: int = 6) -> list[list[int]]:
 def test_weight_update_reaches_engine(engine):
     model, store, backend = engine
     sequences = _fixed_sequences()
-    before = [torch.tensor(lp) for lp in backend.sequence_logprobs(sequences)]
+    before = [torch.tensor(lp) for lp in engine_sequence_logprobs(backend, sequences)]
     for seq, lp in zip(sequences, before, strict=True):
         assert torch.allclose(lp.double(), hf_sequence_logprobs(model, seq), atol=TOLERANCE)
 
@@ -67,7 +68,7 @@ def test_weight_update_reaches_engine(engine):
     store.publish(model.named_parameters(), version=1)
     assert backend.update_weights() == 1
     assert backend.update_weights() == 1  # nothing new published: no reload
-    after = [torch.tensor(lp) for lp in backend.sequence_logprobs(sequences)]
+    after = [torch.tensor(lp) for lp in engine_sequence_logprobs(backend, sequences)]
     moved = max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
     assert moved > 50 * TOLERANCE, "the perturbation is too small for this check to see a missed update"
     for seq, lp in zip(sequences, after, strict=True):

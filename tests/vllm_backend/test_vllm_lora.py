@@ -9,6 +9,7 @@ from peft import LoraConfig  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     EOS,
     PAD,
+    engine_sequence_logprobs,
     generation_config,
     hf_logits,
     hf_sequence_logprobs,
@@ -19,7 +20,7 @@ from vllm_helpers import (  # noqa: E402
     tiny_prompts,
 )
 
-from trl_async.rollout.vllm_backend import VLLMBackend, merge_lora_weights  # noqa: E402
+from trl_async.rollout.backends.vllm import VLLMBackend, merge_lora_weights  # noqa: E402
 
 TOLERANCE = 1e-3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,7 +56,7 @@ def test_adapter_updates_reach_engine(engine):
     # v0: PEFT initialises lora_B to zero, so the engine serves the base model.
     with model.disable_adapter():
         base = [hf_sequence_logprobs(model, s) for s in sequences]
-    for lp, ref in zip(backend.sequence_logprobs(sequences), base, strict=True):
+    for lp, ref in zip(engine_sequence_logprobs(backend, sequences), base, strict=True):
         assert torch.allclose(torch.tensor(lp, dtype=torch.float64), ref, atol=TOLERANCE)
 
     generator = torch.Generator().manual_seed(2)
@@ -63,7 +64,7 @@ def test_adapter_updates_reach_engine(engine):
         perturb_(model, 0.3, generator)
         store.publish([(n, p) for n, p in model.named_parameters() if p.requires_grad], version=version)
         assert backend.update_weights() == version
-        served = [torch.tensor(lp, dtype=torch.float64) for lp in backend.sequence_logprobs(sequences)]
+        served = [torch.tensor(lp, dtype=torch.float64) for lp in engine_sequence_logprobs(backend, sequences)]
         expected = [hf_sequence_logprobs(model, s) for s in sequences]
         moved = max((e - b).abs().max().item() for e, b in zip(expected, base, strict=True))
         assert moved > 50 * TOLERANCE, "the adapter is too small for this check to see a missed update"

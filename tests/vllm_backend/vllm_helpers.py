@@ -131,7 +131,7 @@ def engine_child(spec, frozen_store, trainable_store, gen_config, requests, resu
 
     import psutil
 
-    from trl_async.rollout.vllm_backend import VLLMBackend
+    from trl_async.rollout.backends.vllm import VLLMBackend
 
     beats = [0]
 
@@ -154,3 +154,23 @@ def engine_child(spec, frozen_store, trainable_store, gen_config, requests, resu
         results.put(("error", traceback.format_exc()))
     finally:
         backend.close()
+
+
+@torch.no_grad()
+def engine_sequence_logprobs(backend, sequences: list[list[int]]) -> list[list[float]]:
+    """log p(token_t | tokens_<t), t >= 1, of fixed sequences under a `VLLMBackend` engine's current weights (and
+    adapter): vLLM's prompt log-probs (no temperature or filters), i.e. what a trainer's forward at temperature 1
+    computes. The check that a weight sync reached the engine."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outputs = backend.llm.generate(
+        [{"prompt_token_ids": list(map(int, s))} for s in sequences],
+        params,
+        lora_request=backend.lora_request,
+        use_tqdm=False,
+    )
+    return [
+        [step[token].logprob for step, token in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
+        for out, seq in zip(outputs, sequences, strict=True)
+    ]

@@ -1,11 +1,13 @@
 """Asynchronous rollout machinery: the staleness-bounded queue, weight publishing, backends, the generation process
 and the trainer-side rollout component that the trainers share."""
 
+from ..schedule import last_use_version
 from .backends import GenerationBackend, GenerationOutput, HFBackend, ModelSpec, generate_with_behaviour_logprobs
 from .client import RolloutBatch, RolloutClient, RolloutSettings
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, batch_seed
+from .payload import RolloutPayload
 from .prompts import PromptStream
-from .queue import QueueClosed, QueueItem, StalenessBoundedQueue, last_use_version
+from .queue import QueueClosed, QueueItem, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "PromptStream",
     "QueueClosed",
     "QueueItem",
+    "RolloutPayload",
     "RolloutBatch",
     "RolloutClient",
     "RolloutProducer",

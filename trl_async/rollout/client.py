@@ -37,6 +37,7 @@ from .backends import generate_with_behaviour_logprobs, generation_config_for_ro
 from .cores import TRAINER, CoreLending
 from .gather import clean_parameter_name, full_placeholders, iter_full_parameters, model_sharding
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, default_start_method
+from .payload import RolloutPayload
 from .placement import Placement
 from .queue import StalenessBoundedQueue
 from .weights import SharedWeightStore
@@ -50,7 +51,7 @@ CHECKPOINT_FILE = "trl_async_rollout.json"
 class RolloutBatch:
     """One generation batch ready to train on."""
 
-    payload: dict  # see `RolloutProducer.produce`
+    payload: RolloutPayload
     version: int  # policy version of the weights that generated it
     staleness: int  # this rank's staleness at the batch's last use
     from_trainer: bool  # produced by the trainer itself while the generation process was starting
@@ -261,7 +262,7 @@ class RolloutClient:
             self._next_index += 1
             if staleness <= self.settings.max_staleness:
                 break
-            self._window["evicted_rows"] += len(batch.payload["rows"])
+            self._window["evicted_rows"] += batch.payload.num_rows
             if self.queue.is_open:
                 # The batch just before the queue's first: it shifts the gate's schedule as one of its own would.
                 self.queue.count_evicted_before_start()
@@ -380,15 +381,15 @@ class RolloutClient:
         }
 
     def _record(self, batch: RolloutBatch) -> None:
-        rows = len(batch.payload["rows"])
+        rows = batch.payload.num_rows
         window = self._window
         window["batches"] += 1
         window["trainer_batches"] += int(batch.from_trainer)
         window["rows"] += rows
         window["staleness_row_sum"] += max(batch.staleness, 0) * rows
         window["staleness_max"] = max(window["staleness_max"], batch.staleness)
-        window["generate_s"] += batch.payload["generate_s"]
-        window["reward_s"] += batch.payload["reward_s"]
+        window["generate_s"] += batch.payload.generate_s
+        window["reward_s"] += batch.payload.reward_s
 
     def window_metrics(self) -> dict[str, float]:
         """This rank's `async/*` figures since the previous call (the logging window), as sums and maxima."""

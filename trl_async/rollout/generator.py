@@ -39,6 +39,7 @@ import torch.multiprocessing as torch_mp
 
 from .backends import GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
+from .payload import RolloutPayload
 from .prompts import PromptStream
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
@@ -158,7 +159,7 @@ class RolloutProducer:
             if names:
                 prepare_rewards([f for f in self.spec.reward_funcs if f is not None], {c: dataset[c] for c in names})
 
-    def produce(self, queue_index: int) -> dict:
+    def produce(self, queue_index: int) -> RolloutPayload:
         """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`)."""
         from trl_async.rewards import prepare_rewards, score_completions
 
@@ -203,19 +204,19 @@ class RolloutProducer:
         if spec.decode:
             decode()
         t2 = time.perf_counter()
-        return {
-            "rows": rows,
-            "stream_index": stream_index,
-            "prompt_ids": prompt_ids,
-            "completion_ids": completion_ids,
-            "logprobs": logprobs,
-            "rewards_per_func": rewards,
-            "completions": decode.result,
-            "extra_logs": dict(extra_logs),
-            "logged_metrics": dict(logged_metrics),
-            "generate_s": t1 - t0,
-            "reward_s": t2 - t1,
-        }
+        return RolloutPayload(
+            rows=rows,
+            stream_index=stream_index,
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=logprobs,
+            rewards_per_func=rewards,
+            completions=decode.result,
+            extra_logs=dict(extra_logs),
+            logged_metrics=dict(logged_metrics),
+            generate_s=t1 - t0,
+            reward_s=t2 - t1,
+        )
 
 
 class _DecodeOnce:
@@ -371,7 +372,7 @@ def _generator_main(
             version = backend.update_weights()
             rollout_queue.mark_loaded(index)
             payload = producer.produce(index)
-            rollout_queue.put(index, version, payload, num_rows=len(payload["rows"]))
+            rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
             control.beat()
     except QueueClosed:
         pass

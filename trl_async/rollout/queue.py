@@ -37,12 +37,7 @@ from typing import Any
 
 import torch.multiprocessing as torch_mp
 
-
-def last_use_version(index: int, micro_steps_per_item: int = 1, micro_steps_per_version: int = 1, base: int = 0):
-    """Version at which item `index` is last used, when the consumer takes one item every `micro_steps_per_item`
-    micro-steps and advances one version every `micro_steps_per_version` micro-steps, starting at `base`."""
-    g, a = micro_steps_per_item, micro_steps_per_version
-    return base + (index * g + g - 1) // a
+from ..schedule import last_use_version
 
 
 @dataclasses.dataclass

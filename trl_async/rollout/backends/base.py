@@ -1,0 +1,92 @@
+"""The generation backend interface, and what a backend returns.
+
+A backend owns the generator's copy of the policy. Its interface is deliberately small, so that engines (transformers
+`generate` in `hf`, a vLLM engine or a `trl vllm-serve` server in `vllm`) slot in without touching the queue or the
+trainers:
+
+* `load()` builds the model and applies the start-up weights; returns their version;
+* `generate(prompt_ids, seed)` samples one completion per prompt row and returns the ids (cut after the first EOS) with
+  the behaviour log-probabilities of the sampled tokens;
+* `update_weights()` swaps in the latest published weights; it is only called between generation batches;
+* `close()` releases the engine.
+
+**Behaviour log-probs μ** (DESIGN.md section 2) are the log-probabilities of the sampled tokens under the distribution
+that actually sampled them: the logits after every processor and warper of the generation config (repetition penalty,
+temperature, top-k, top-p, min-p, ...), recorded step by step in O(B·L) memory, never as stacked vocabulary-sized
+scores.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    completion_ids: torch.Tensor  # (B, L) right-padded with pad_token_id, on the backend's device
+    completion_mask: torch.Tensor  # (B, L) bool, True up to and including the first EOS
+    logprobs: torch.Tensor  # (B, L) float32 behaviour log-probs, 0 on padding
+    # (B, L) log-probs of the same tokens under the behaviour weights in the trainer's parametrization (logits /
+    # temperature, no top-k/top-p/min-p/repetition penalty), or None where the backend cannot give them (vLLM).
+    policy_logprobs: torch.Tensor | None = None
+
+    def importance_logprobs(self) -> torch.Tensor:
+        """The behaviour log-probs the trainer's importance weight and M2PO compare π_θ with.
+
+        The trainer's π_θ is TRL's: log-softmax of logits / temperature, with no sampling warpers. Against the processed
+        μ (what `generate` sampled from), π_θ/μ would measure the warpers' truncation as well as the policy lag: with
+        `top_k=10` on a 150k vocabulary it is ~1e-4 per token even at staleness 0, the sequence weight underflows, and
+        training stops (TRL's own `test_train_with_additional_generation_kwargs` caught it). Comparing like with like
+        leaves only the lag: the weight is exactly 1 at staleness 0, as in synchronous TRL, which trains on the warped
+        samples without a correction."""
+        return self.policy_logprobs if self.policy_logprobs is not None else self.logprobs
+
+    def to_lists(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Completion ids and importance log-probs (`importance_logprobs`) per row, without padding."""
+        lengths = self.completion_mask.sum(dim=1).tolist()
+        ids, logps = self.completion_ids.tolist(), self.importance_logprobs().tolist()
+        return [row[:n] for row, n in zip(ids, lengths, strict=True)], [
+            row[:n] for row, n in zip(logps, lengths, strict=True)
+        ]
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What the generator needs to build its own copy of the policy (the weights come through shared memory)."""
+
+    config: object  # transformers PretrainedConfig of the base model
+    dtype: torch.dtype
+    peft_config: object | None = None  # peft.PeftConfig when the trainer trains an adapter
+    adapter_name: str = "default"
+    # The trainer model's own `generation_config` (its generation_config.json): transformers fills the fields TRL's
+    # GenerationConfig leaves unset from it, so the generator's copy must carry the same defaults.
+    generation_defaults: object | None = None
+
+
+class GenerationBackend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def load(self) -> int:
+        """Build the model and load the start-up weights; return their version."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput: ...
+
+    @abc.abstractmethod
+    def update_weights(self) -> int:
+        """Swap in the latest published weights (between batches); return their version."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release the engine."""
+
+
+def first_eos_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """True for every position up to and including the first EOS of each row (all True if there is none)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
+    # Number of EOS strictly before each position: a position is valid while that count is zero.
+    eos_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()
+    return eos_before == 0

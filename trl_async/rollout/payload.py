@@ -1,0 +1,33 @@
+"""What crosses the process boundary: one generation batch, as the generation process made it.
+
+The generation process (or the trainer itself, while the generation process starts) builds a `RolloutPayload` per
+generation batch; the queue pickles it into a spool file; the trainer's overrides of TRL's `_generate` and
+`_calculate_rewards` hand its fields to TRL's own scoring code. Plain Python lists and CPU tensors only, so that it
+pickles the same wherever it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class RolloutPayload:
+    rows: list[dict]  # the dataset rows of the batch (prompt and every column), in TRL's sampler order
+    stream_index: int  # position of the batch in this rank's prompt stream (its sampling seed derives from it)
+    prompt_ids: list[list[int]]  # tokenized prompts, one per row, without padding
+    completion_ids: list[list[int]]  # sampled completions, cut after the first EOS
+    logprobs: list[list[float]]  # behaviour log-probs μ per completion token, in the trainer's parametrization
+    rewards_per_func: torch.Tensor  # (rows, reward functions) float32; NaN where a function returned None or did not
+    # run here (reward models are scored by the trainer)
+    completions: list | None  # decoded completions (text or messages), or None when nothing needed them decoded
+    extra_logs: dict[str, list]  # reward functions' `log_extra` calls, by column
+    logged_metrics: dict[str, list[float]]  # reward functions' `log_metric` calls, by name
+    generate_s: float  # seconds spent tokenizing and sampling
+    reward_s: float  # seconds spent scoring (and decoding)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)

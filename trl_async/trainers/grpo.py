@@ -1,0 +1,188 @@
+"""`AsyncGRPOTrainer`: TRL's `GRPOTrainer` with generation in a background process and the M2PO loss.
+
+The engine's side (generation process, queue, weights, the hooks that serve rollout rows to TRL's scoring code) is
+`trainers.engine.AsyncRolloutMixin`. What GRPO adds, and where:
+
+* `_prepare_args`: a plain `trl.GRPOConfig` gets the async defaults (`config.ensure_async_fields`);
+  `use_vllm=True` runs vLLM in the generation process.
+* `_compute_loss`: adds `loss_type="m2po"` (`algorithms.m2po`); every other loss type is TRL's, with TRL's truncated
+  importance weight π_old/μ folded into the advantages for rows that can be stale (`algorithms.importance`). Within
+  one optimizer step π_old is the loss's own forward, which reaches the fold through the hook slot; a batch used
+  across several steps has TRL's `old_per_token_logps`, and `_after_scoring` folds it at batch time.
+
+Evaluation (`model.eval()`) and `async_generation=False` run TRL's synchronous path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate.utils import gather
+from trl import GRPOConfig, GRPOTrainer
+
+from ..algorithms.importance import fold_into_advantages, truncated_importance_weights
+from ..algorithms.m2po import m2po_loss
+from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
+from ..config import LOSS_TYPES, ensure_async_fields
+from ..unsupported import check_m2po_supported
+from .engine import AsyncRolloutMixin
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
+    """Drop-in replacement for `trl.GRPOTrainer` that generates asynchronously and supports `loss_type="m2po"`.
+
+    It takes exactly `GRPOTrainer`'s arguments. `args` may be a plain `trl.GRPOConfig` (the async defaults of
+    `AsyncGRPOConfig` then apply) or an `AsyncGRPOConfig`.
+    """
+
+    _tag_names = ["trl", "grpo", "trl-async"]
+    model_card_kind = "grpo"  # the card: trl_async.hub.ModelCardMixin
+
+    def _prepare_args(self, bound):
+        """TRL's default `GRPOConfig` when none is given; the async fields filled in and validated."""
+        args, model = bound.arguments.get("args"), bound.arguments["model"]
+        if args is None:  # TRL's default, created here so that the async checks see it
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        ensure_async_fields(args, loss_types=LOSS_TYPES)
+        check_m2po_supported(args, model)
+        if args.async_generation and args.use_vllm:
+            # TRL's vLLM generation runs in the training process; ours runs in the generation process. Same knobs.
+            logger.info("trl_async: use_vllm=True runs vLLM in the generation process (generation_backend='vllm').")
+            args.generation_backend, args.use_vllm = "vllm", False
+        return args
+
+    def _after_scoring(self, output: dict, rewards_per_func) -> dict:
+        """Rollout rows of a batch used across optimizer steps: TRL computed π_old (`old_per_token_logps`), so TRL's
+        importance correction against μ is applied now (`_treat_behaviour_mismatch`)."""
+        if "old_per_token_logps" in output and self._has_behaviour(output):
+            self._treat_behaviour_mismatch(output, output["old_per_token_logps"])
+        return output
+
+    def _compute_loss(self, model, inputs):
+        """Replaces `GRPOTrainer._compute_loss`: adds `loss_type="m2po"`. Every other loss type is TRL's; for rollout
+        rows whose π_old is TRL's forward in this call, the importance weight is folded into the advantages between
+        that forward and TRL's reading of them (`HookSlot.on_policy_logps`, `trl_contract.CALL_ORDER`)."""
+        self._record_row_ages(inputs)
+        if self.loss_type == "m2po":
+            return self._compute_m2po_loss(model, inputs)
+        if not (self.model.training and self._has_behaviour(inputs)) or "old_per_token_logps" in inputs:
+            return super()._compute_loss(model, inputs)
+        inputs = dict(inputs)  # the buffered batch stays unweighted
+        with self._hand_off(on_policy_logps=lambda logps: self._treat_behaviour_mismatch(inputs, logps)):
+            return super()._compute_loss(model, inputs)
+
+    # --------------------------------------------------------------------------------------------- importance
+    def _treat_behaviour_mismatch(self, inputs: dict, old_logps: torch.Tensor) -> None:
+        """Rollout rows, once π_old is known: TRL's importance correction where it applies (`_corrects_behaviour`),
+        and the `offpolicy/*` diagnostics of π_old against μ either way (nothing masked or clipped without it)."""
+        if self._corrects_behaviour(inputs):
+            self._apply_behaviour_correction(inputs, old_logps)
+        else:
+            mask = self._loss_mask(inputs)
+            self._record_offpolicy("train", offpolicy_sums(old_logps - inputs["sampling_per_token_logps"], mask))
+
+    @torch.no_grad()
+    def _apply_behaviour_correction(self, inputs: dict, old_logps: torch.Tensor) -> None:
+        """TRL's truncated importance weight w = π_old/μ (`vllm_importance_sampling_*` semantics), applied as TRL
+        applies it to its vLLM rows. VESPO takes the ratio inside φ (`importance_sampling_ratio`, as TRL feeds it);
+        every other TRL loss multiplies its per-token policy loss by w, which equals scaling the advantages by w
+        (each policy term is positively homogeneous in A, and w ≥ 0; `algorithms.importance` gives the proof)."""
+        mask, args = self._loss_mask(inputs), self.args
+        weights = self._behaviour_weights(old_logps, inputs["sampling_per_token_logps"], mask)
+        self._record_offpolicy(
+            "train",
+            importance_weight_sums(
+                old_logps - inputs["sampling_per_token_logps"],
+                mask,
+                weights,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            ),
+        )
+        if self.loss_type == "vespo":
+            inputs["importance_sampling_ratio"] = weights
+        else:
+            inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
+        self._log_importance_weights(weights, mask)
+
+    def _behaviour_weights(self, old_logps, behaviour_logps, mask):
+        args = self.args
+        return truncated_importance_weights(
+            old_logps,
+            behaviour_logps,
+            mask,
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+
+    def _log_importance_weights(self, weights: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's `sampling/importance_sampling_ratio/*` metrics for the weights applied, plus the share the truncation
+        changed: set to 0 (mask modes) or clamped to a bound (truncate modes; a ratio exactly on a bound has
+        probability zero)."""
+        flat = weights.flatten() if weights.size(1) == 1 else weights[mask.bool()]
+        if not flat.numel():
+            return
+        args = self.args
+        bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
+        clipped = (
+            (flat == 0)
+            if args.vllm_importance_sampling_mode.endswith("mask")
+            else torch.isin(flat, torch.tensor(bounds, dtype=flat.dtype, device=flat.device))
+        )
+        stats = torch.stack([flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean(), clipped.float().mean()])
+        mean, low, high, zero, changed = gather(stats.unsqueeze(0)).view(-1, 5).T
+        metrics = self._metrics["train"]
+        metrics["sampling/importance_sampling_ratio/mean"].append(mean.mean().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(low.min().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
+        metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
+        metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(changed.mean().item())
+
+    # --------------------------------------------------------------------------------------------- M2PO
+    def _compute_m2po_loss(self, model, inputs):
+        """M2PO (Zheng et al. 2025, arXiv 2510.01161), the math in `algorithms.m2po`.
+
+        δ_t = log π_θ − log μ against the behaviour policy μ: the sampling log-probs of the generator when present,
+        else TRL's `old_per_token_logps`, else π_θ itself (an on-policy batch: δ = 0, nothing masked). The
+        normalizer is TRL `dapo`'s: valid tokens of the whole accumulated batch, per process.
+        """
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = self._loss_mask(inputs)
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([prompt_mask, completion_mask], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+        )
+        behaviour = inputs.get("sampling_per_token_logps")
+        if behaviour is None:
+            behaviour = inputs.get("old_per_token_logps")
+        if behaviour is None:
+            behaviour = per_token_logps.detach()
+        advantages = inputs["advantages"]
+        normalizer = self._dapo_normalizer(inputs, mode)
+        delta = per_token_logps.detach() - behaviour
+        selection = self._m2po_selection(
+            delta, mask, advantages, mode, record_offpolicy="sampling_per_token_logps" in inputs
+        )
+        loss, stats = m2po_loss(
+            per_token_logps, behaviour, advantages, mask, normalizer=normalizer, selection=selection
+        )
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            loss = loss + self.beta * (per_token_kl * mask).sum() / normalizer
+            metrics["kl"].append(self._global_masked_mean(per_token_kl, mask))
+        metrics["entropy"].append(self._global_masked_mean(entropies, mask))
+        self._record_m2po_stats(mode, stats)
+        return loss

@@ -1,0 +1,430 @@
+"""`AsyncPPOTrainer`: PPO with a learned critic and GAE, on the rollout engine (`trainers.engine.AsyncRolloutMixin`).
+
+PPO differs from GRPO in where the advantages come from and in the loss; the rollout engine (generation process,
+queue, weights, prompt stream, `async/*` and `offpolicy/*` metrics, checkpoint state) and TRL's own scoring, reference
+log-probs and batch splitting are shared. What PPO adds (math: docs/ppo.md, `algorithms.ppo`):
+
+* `_after_scoring`: on the rows TRL scored, replaces GRPO's group advantages by PPO's per-token ones. The sequence
+  score is the weighted sum of TRL's reward matrix (minus `missing_eos_penalty`); the per-token reward is
+  -kl_coef·KL(π_old ‖ π_ref) plus the score on the last token; the critic's values at batch time give GAE advantages
+  and returns. π_old is the policy when the batch enters training, the reference is TRL's (`beta = kl_coef`).
+* `_compute_loss`: PPO-clip (or M2PO) on the per-token advantages, with the truncated importance weight π_old/μ for
+  stale rows (`_corrects_behaviour`), plus `vf_coef` times the clipped value loss.
+* The critic (`trainers.critic`): the optimizer covers it (`create_optimizer`), checkpoints save and restore it
+  (`save_model`, `_load_from_checkpoint`), its gradients are all-reduced once per optimizer step (`training_step`).
+
+`num_iterations` is PPO's number of epochs over a rollout batch and `steps_per_generation` its number of mini-batches:
+advantages, returns, π_old and the old values are computed once per generation batch, as in PPO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import textwrap
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import Tensor, nn
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import disable_dropout_in_model
+
+from ..algorithms.importance import truncated_importance_weights
+from ..algorithms.m2po import m2po_loss
+from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
+from ..algorithms.ppo import PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
+from ..config import ensure_async_fields
+from ..ppo_config import PPO_LOSS_TYPES, AsyncPPOConfig
+from . import trl_contract
+from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
+from .engine import AsyncRolloutMixin
+
+
+class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
+    """PPO with a learned critic and GAE on the asynchronous engine (or synchronously, `async_generation=False`).
+
+    Takes TRL `GRPOTrainer`'s arguments with an `AsyncPPOConfig`, plus `value_model`: a sequence-classification model
+    with `num_labels=1` or a path to build one from (a causal-LM checkpoint gets a new value head on its base).
+    Default: built from the policy's own checkpoint; under PEFT (`peft_config`, or a `PeftModel`), a second adapter on
+    the policy's base plus a value head instead.
+    """
+
+    _tag_names = ["trl", "ppo", "trl-async"]
+    model_card_kind = "ppo"  # the card: trl_async.hub.ModelCardMixin
+    _name = "PPO"
+    _paper = {
+        "title": "Proximal Policy Optimization Algorithms",
+        "id": "1707.06347",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{schulman2017proximal,
+                title        = {{Proximal Policy Optimization Algorithms}},
+                author       = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+                year         = 2017,
+                eprint       = {arXiv:1707.06347},
+            }"""),
+    }
+
+    def __init__(self, model, reward_funcs=None, args=None, *positional, value_model=None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = AsyncPPOConfig(f"{str(name).split('/')[-1]}-PPO")
+        if not isinstance(args, AsyncPPOConfig):
+            raise TypeError(
+                f"AsyncPPOTrainer needs an AsyncPPOConfig (its PPO knobs: vf_coef, cliprange, gamma, lam, kl_coef, ...),"
+                f" got {type(args).__name__}."
+            )
+        given = trl_contract.bind_init(model, reward_funcs, args, *positional, **kwargs).arguments
+        refused = [name for name in ("tools", "environment_factory", "rollout_func") if given.get(name)]
+        if refused:
+            raise ValueError(
+                f"AsyncPPOTrainer does not support {', '.join(refused)}= yet: tool and environment turns make the loss "
+                "mask of a completion non-contiguous, which GAE here does not handle."
+            )
+        peft = given.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
+        if value_model is None and peft:
+            # The critic adapter sits in the policy's DDP module but is used outside its forward: DDP must not look
+            # for unused parameters (it would mark the adapter ready before its gradients arrive). Set before
+            # Trainer builds its accelerator, which reads it.
+            if args.ddp_find_unused_parameters:
+                raise ValueError(
+                    "ddp_find_unused_parameters=True cannot be used with the PEFT critic adapter (it is used outside "
+                    "the policy's forward). Leave it unset, or pass a separate value_model."
+                )
+            args.ddp_find_unused_parameters = False
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        critic = build_critic(self._unwrap(self.model), value_model, self.args, self._tokenizer.pad_token_id)
+        if self.args.disable_dropout:
+            disable_dropout_in_model(critic)
+        # Several processes: a DDP wrapper, whose gradients are all-reduced once per optimizer step (`training_step`).
+        self.critic = self.accelerator.prepare_model(critic)
+        self.add_callback(CriticGradients(self))
+        if self.optimizer is not None:  # optimizers=(optimizer, scheduler) given: it must train the critic too
+            held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            if any(id(p) not in held for p in self._critic_parameters()):
+                raise ValueError(
+                    "The optimizer passed in `optimizers` does not hold the critic's parameters, and its scheduler "
+                    "could not follow parameter groups added later. Leave `optimizers` unset and choose the optimizer "
+                    "in the config (optim, optim_args, learning_rate, critic_learning_rate), or pass a value_model and "
+                    "an optimizer over both models."
+                )
+
+    def _prepare_args(self, bound):
+        """The `AsyncPPOConfig` (`__init__` checked its type), its async fields checked against PPO's loss types."""
+        return ensure_async_fields(bound.arguments["args"], PPO_LOSS_TYPES)
+
+    # --------------------------------------------------------------------------------------------- critic
+    @property
+    def critic_model(self) -> PerTokenValueModel | AdapterValueModel:
+        """The critic without its DDP wrapper."""
+        return self._unwrap(self.critic)
+
+    def _critic_parameters(self) -> list[nn.Parameter]:
+        """Every trainable parameter of the critic: its own, and a PEFT critic adapter's (which lives in the policy)."""
+        critic = self.critic_model
+        own = [p for p in critic.parameters() if p.requires_grad]
+        if isinstance(critic, AdapterValueModel):
+            own += [p for _, p in critic.adapter_parameters()]
+        return own
+
+    def _critic_values(self, critic: nn.Module, input_ids, attention_mask, logits_to_keep: int, batch_size=None):
+        """V(s_t) for the `logits_to_keep` completion tokens, (B, T) float32: the critic at positions P-1 … P+T-2,
+        the states before each token, read where the policy's logits give its log-prob (docs/ppo.md)."""
+        batch_size = batch_size or input_ids.size(0)
+        chunks = []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = start + batch_size
+            with self.accelerator.autocast():
+                values = critic(input_ids[start:end], attention_mask[start:end])
+            chunks.append(values[:, values.size(1) - logits_to_keep - 1 : values.size(1) - 1].float())
+        return torch.cat(chunks, dim=0)
+
+    # --------------------------------------------------------------------------------------------- rollout batch
+    def _after_scoring(self, output: dict, rewards_per_func: Tensor) -> dict:
+        """Replaces GRPO's group advantages in TRL's batch dict by PPO's, computed from the reward matrix TRL gathered
+        (`rewards_per_func`) on the same rows. Adds `advantages` (B, T), `returns`, `old_values` (the critic now),
+        `old_per_token_logps` (π_old: the policy now) and `loss_mask` (valid tokens of scorable rows)."""
+        critic = self.critic_model
+        critic.restore_trainable()  # TRL's reference pass disables and re-enables the adapters (PEFT)
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+        rows = completion_ids.size(0)
+        local = slice(self.accelerator.process_index * rows, (self.accelerator.process_index + 1) * rows)
+        scores, scorable = self._sequence_scores(rewards_per_func[local], completion_ids, completion_mask)
+        mask = completion_mask.bool() & scorable.unsqueeze(1)
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            old_logps = output.get("old_per_token_logps")
+            if old_logps is None:  # TRL computes it only when the batch spans optimizer steps; PPO's reward needs it
+                old_logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+            old_values = self._critic_values(critic, input_ids, attention_mask, logits_to_keep, batch_size)
+        ref_logps = output.pop("ref_per_token_logps", None)  # present iff beta = kl_coef != 0
+        args = self.args
+        targets = ppo_targets(
+            scores,
+            old_logps,
+            old_logps if ref_logps is None else ref_logps,
+            old_values,
+            mask,
+            kl_coef=args.kl_coef,
+            kl_estimator=args.kl_estimator,
+            gamma=args.gamma,
+            lam=args.lam,
+            whiten_rewards=args.whiten_rewards,
+            whiten_advantages=args.whiten_advantages,
+        )
+        output.update(
+            advantages=targets.advantages,
+            returns=targets.returns,
+            old_values=old_values,
+            old_per_token_logps=old_logps,
+            loss_mask=mask,
+        )
+        self._log_rollout_metrics(mode, scores, scorable, targets, old_values, mask)
+        behaviour = self._behaviour_logps(output)
+        if behaviour is not None:
+            self._log_importance_weights(old_logps, behaviour, mask)
+        return output
+
+    def _sequence_scores(self, rewards_per_func: Tensor, completion_ids: Tensor, completion_mask: Tensor):
+        """(scores (B,), scorable (B,) bool): the reward functions' weighted sum, as TRL sums them for GRPO, minus
+        `missing_eos_penalty` for completions without an EOS. A row every function returned None for is unscorable
+        (TRL gives it no advantage; here it leaves the loss)."""
+        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        scores = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        if self.args.missing_eos_penalty is not None:
+            eos = torch.tensor(self.eos_token_ids, device=completion_ids.device)
+            has_eos = (torch.isin(completion_ids, eos) & completion_mask.bool()).any(dim=1)
+            scores = scores - self.args.missing_eos_penalty * (~has_eos).to(scores.dtype)
+        return torch.where(scorable, scores, torch.zeros_like(scores)), scorable
+
+    def _log_rollout_metrics(self, mode, scores, scorable, targets: PPOTargets, old_values, mask) -> None:
+        """Batch-level metrics over all processes (sums all-reduced): explained variance of the returns by the
+        critic's values at batch time, EV = 1 - Var[R - V] / Var[R] (biased variances, `algorithms.ppo`), the means
+        of returns and values, TRL's former `objective/kl` (Σ_t KL per row) and `objective/scores`."""
+        m = mask.double()
+        returns, values = targets.returns.double(), old_values.double()
+        residual = returns - values
+        local = torch.stack(
+            [
+                m.sum(),
+                (returns * m).sum(),
+                (returns.square() * m).sum(),
+                (residual * m).sum(),
+                (residual.square() * m).sum(),
+                (values * m).sum(),
+                (targets.kl.double() * m).sum(),
+                scorable.double().sum(),
+                scores.double().sum(),
+            ]
+        )
+        n, r1, r2, d1, d2, v1, kl, rows, score_sum = self.accelerator.reduce(local, reduction="sum").tolist()
+        metrics = self._metrics[mode]
+        tokens, rows = max(n, 1.0), max(rows, 1.0)
+        var_returns = r2 / tokens - (r1 / tokens) ** 2
+        var_residual = d2 / tokens - (d1 / tokens) ** 2
+        metrics["ppo/explained_variance"].append(1.0 - var_residual / var_returns if var_returns > 0 else float("nan"))
+        metrics["ppo/returns_mean"].append(r1 / tokens)
+        metrics["ppo/value_mean"].append(v1 / tokens)
+        metrics["objective/kl"].append(kl / rows)
+        metrics["objective/scores"].append(score_sum / rows)
+
+    def _importance_weights(self, old_logps: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
+        args = self.args
+        return truncated_importance_weights(
+            old_logps,
+            behaviour,
+            mask.float(),
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+        )
+
+    def _log_importance_weights(self, old_logps: Tensor, behaviour: Tensor, mask: Tensor) -> None:
+        """The engine's `sampling/importance_sampling_ratio/*` metrics for the weight π_old/μ the PPO loss applies."""
+        weights = self._importance_weights(old_logps, behaviour, mask)
+        flat = weights.flatten() if weights.size(1) == 1 else weights[mask]
+        stats = torch.stack([flat.sum(), flat.new_tensor(flat.numel()), (flat == 0).float().sum()])
+        total, count, zero = self.accelerator.reduce(stats, reduction="sum").tolist()
+        if count:
+            metrics = self._metrics["train"]
+            metrics["sampling/importance_sampling_ratio/mean"].append(total / count)
+            metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero / count)
+
+    # --------------------------------------------------------------------------------------------- loss
+    def _behaviour_logps(self, inputs: dict) -> Tensor | None:
+        """μ where PPO-clip gets the truncated importance weight π_old/μ (`_corrects_behaviour`: rollout rows,
+        `max_staleness > 0`, `vllm_importance_sampling_correction`). None otherwise: μ is π_old (on-policy)."""
+        return inputs["sampling_per_token_logps"] if self._corrects_behaviour(inputs) else None
+
+    def _compute_loss(self, model, inputs):
+        """Replaces `GRPOTrainer._compute_loss`: PPO's loss on the per-token advantages,
+
+            loss = L_π + vf_coef · L_V,
+
+        L_π PPO-clip on ρ = π_θ/π_old (weighted by π_old/μ for stale rows) or M2PO against μ, L_V the clipped value
+        loss against the returns, both normalised as TRL's `dapo` (`_dapo_normalizer`)."""
+        args, mode = self.args, "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = inputs["loss_mask"]
+        self._record_row_ages(inputs)
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
+        )
+        values = self._critic_values(self.critic, input_ids, attention_mask, logits_to_keep)
+        normalizer = self._dapo_normalizer(inputs, mode)
+        if self.loss_type == "m2po":
+            policy_loss, clipfrac, approx_kl = self._m2po_policy_loss(inputs, per_token_logps, mask, normalizer, mode)
+        else:
+            self._record_ppo_offpolicy(inputs, mask, mode)
+            policy = ppo_policy_loss(
+                per_token_logps,
+                inputs["old_per_token_logps"],
+                inputs["advantages"],
+                mask,
+                args.cliprange,
+                behaviour_logps=self._behaviour_logps(inputs),
+                importance_sampling_mode=args.vllm_importance_sampling_mode,
+                importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
+                importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
+                normalizer=normalizer,
+            )
+            policy_loss, clipfrac, approx_kl = policy.loss, policy.clipfrac, policy.approx_kl
+        critic = value_loss(values, inputs["old_values"], inputs["returns"], mask, args.cliprange_value, normalizer)
+        tokens = mask.sum().clamp(min=1)
+        self._log_loss_metrics(
+            mode,
+            mask,
+            {
+                "ppo/policy_loss": policy_loss.detach() * normalizer / tokens,
+                "ppo/value_loss": critic.loss.detach() * normalizer / tokens,
+                "ppo/clipfrac": clipfrac,
+                "ppo/approx_kl": approx_kl,
+                "ppo/value_clipfrac": critic.clipfrac,
+                "entropy": (entropies.detach() * mask).sum() / tokens,
+            },
+        )
+        return policy_loss + args.vf_coef * critic.loss
+
+    def _m2po_policy_loss(self, inputs: dict, per_token_logps: Tensor, mask: Tensor, normalizer, mode: str):
+        """M2PO against μ (π_old where the rows carry no μ), with PPO's clip fraction and approximate KL against π_old
+        logged for comparison: (loss, clipfrac, approx_kl)."""
+        args, old_logps = self.args, inputs["old_per_token_logps"]
+        behaviour = inputs.get("sampling_per_token_logps", old_logps)
+        delta = per_token_logps.detach() - behaviour
+        record = "sampling_per_token_logps" in inputs and mode == "train"
+        selection = self._m2po_selection(delta, mask, inputs["advantages"], mode, record_offpolicy=record)
+        loss, stats = m2po_loss(
+            per_token_logps, behaviour, inputs["advantages"], mask, normalizer=normalizer, selection=selection
+        )
+        self._record_m2po_stats(mode, stats)  # `m2po/*`, token-weighted over the logging window, as in GRPO
+        ratio = torch.exp(per_token_logps.detach() - old_logps)
+        tokens = mask.sum().clamp(min=1)
+        clipfrac = (((ratio < 1 - args.cliprange) | (ratio > 1 + args.cliprange)) & mask).float().sum() / tokens
+        approx_kl = per_token_kl(old_logps, per_token_logps.detach(), mask, "k3").sum() / tokens
+        return loss, clipfrac, approx_kl
+
+    def _record_ppo_offpolicy(self, inputs: dict, mask: Tensor, mode: str) -> None:
+        """`offpolicy/*` of π_old against μ for the PPO-clip loss: the truncated weight where `ppo_policy_loss`
+        applies it (`_behaviour_logps`), nothing masked or clipped otherwise."""
+        if mode != "train" or "sampling_per_token_logps" not in inputs:
+            return
+        old_logps = inputs["old_per_token_logps"]
+        delta = old_logps - inputs["sampling_per_token_logps"]
+        behaviour = self._behaviour_logps(inputs)
+        if behaviour is None:
+            self._record_offpolicy(mode, offpolicy_sums(delta, mask))
+            return
+        args = self.args
+        weights = self._importance_weights(old_logps, behaviour, mask)
+        self._record_offpolicy(
+            mode,
+            importance_weight_sums(
+                delta,
+                mask,
+                weights,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            ),
+        )
+
+    def _log_loss_metrics(self, mode: str, mask: Tensor, means: dict[str, Tensor]) -> None:
+        """Per micro-batch, token-weighted over processes: each value is a mean over this micro-batch's valid tokens."""
+        count = mask.sum().double()
+        local = torch.stack([count, *(value.double() * count for value in means.values())])
+        total = self.accelerator.reduce(local, reduction="sum").tolist()
+        tokens = max(total[0], 1.0)
+        for key, value in zip(means, total[1:], strict=True):
+            self._metrics[mode][key].append(value / tokens)
+
+    # --------------------------------------------------------------------------------------------- optimizer
+    def create_optimizer(self, model=None):
+        """`Trainer.create_optimizer` for the policy, plus the critic's parameters as two more groups (with and without
+        weight decay, as Trainer splits them), at `critic_learning_rate` when set. A PEFT critic adapter lives in the
+        policy model: it is kept out of the policy's groups and put in the critic's."""
+        critic_parameters = self._critic_parameters()
+        flags = [(p, p.requires_grad) for p in critic_parameters]
+        for parameter in critic_parameters:
+            parameter.requires_grad_(False)
+        try:
+            optimizer = super().create_optimizer(model)
+        finally:
+            for parameter, flag in flags:
+                parameter.requires_grad_(flag)
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        critic = self.critic_model
+        named = [(n, p) for n, p in critic.named_parameters() if p.requires_grad]
+        decay = set(self.get_decay_parameter_names(critic))
+        if isinstance(critic, AdapterValueModel):
+            named += critic.adapter_parameters()
+            decay |= {n for n, _ in critic.adapter_parameters()}  # LoRA weights decay, as Trainer treats them
+        extra = {} if self.args.critic_learning_rate is None else {"lr": self.args.critic_learning_rate}
+        for with_decay, weight_decay in ((True, self.args.weight_decay), (False, 0.0)):
+            params = [p for n, p in named if (n in decay) == with_decay and id(p) not in held]
+            if params:
+                optimizer.add_param_group({"params": params, "weight_decay": weight_decay, **extra})
+        return optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """`GRPOTrainer.training_step`, inside the critic's `no_sync` on micro-steps that do not end an optimizer step:
+        Trainer does the same for the policy, so the critic's gradients are all-reduced once per optimizer step."""
+        sync = self.accelerator.sync_gradients
+        with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.critic):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model` (the policy), plus the critic in `trl_async_critic.safetensors` beside it. Checkpoints
+        save through here, so every checkpoint holds the critic; the optimizer's state for it is in Trainer's
+        `optimizer.pt` with the policy's."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            from safetensors.torch import save_file
+
+            folder = output_dir or self.args.output_dir
+            os.makedirs(folder, exist_ok=True)
+            tensors = {k: v.detach().cpu().contiguous() for k, v in self.critic_model.checkpoint_tensors().items()}
+            save_file(tensors, os.path.join(folder, CRITIC_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """`Trainer._load_from_checkpoint` (the policy), plus the critic, copied into its existing parameters."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, CRITIC_FILE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{resume_from_checkpoint} has no {CRITIC_FILE}: it was not written by AsyncPPOTrainer, so the critic "
+                "cannot be restored. Resume from a checkpoint of a PPO run."
+            )
+        from safetensors.torch import load_file
+
+        self.critic_model.load_checkpoint_tensors(load_file(path))

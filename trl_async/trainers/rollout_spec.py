@@ -1,0 +1,121 @@
+"""What a trainer tells its rank's generation process: where it runs (`placement`) and what it needs to make rollouts
+as TRL would (`generator_spec`): TRL's sampling settings, prompt order, reward callables and the backend's options.
+
+Functions of the trainer, read once when the generation process starts (the first training batch).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..rewards import is_tensor_reward
+from ..rollout import GeneratorSpec, ModelSpec
+from ..rollout.placement import Placement, choose_placement, rank_cores
+from ..rollout.prompts import is_iterable_dataset
+
+
+def placement(trainer) -> Placement:
+    """Where this rank's generation process runs and how the rank's CPU cores are split (`rollout.placement`)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.accelerator.num_processes))
+    return choose_placement(
+        trainer.args.generation_device,
+        trainer.accelerator.device,
+        trainer.args.generation_num_threads,
+        rank_cores(local_world),
+        os.environ.get("OMP_NUM_THREADS"),
+        lend_idle_cores=trainer.args.lend_idle_cores,
+    )
+
+
+def generator_spec(trainer, where: Placement) -> GeneratorSpec:
+    """What this rank's generation process needs: TRL's sampling settings, prompt order and reward callables."""
+    args = trainer.args
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    base = model.get_base_model() if is_peft else model
+    reward_models = [isinstance(f, torch.nn.Module) and not is_tensor_reward(f) for f in trainer.reward_funcs]
+    any_text_reward = any(
+        not is_tensor_reward(f) and not m for f, m in zip(trainer.reward_funcs, reward_models, strict=True)
+    )
+    return GeneratorSpec(
+        process_index=trainer.accelerator.process_index,
+        num_processes=trainer.accelerator.num_processes,
+        device=where.device,
+        num_threads=where.generator_threads,
+        backend=backend_name(args),
+        backend_options=backend_options(args, where),
+        model_spec=ModelSpec(
+            config=base.config,
+            dtype=next(base.parameters()).dtype,
+            peft_config=model.peft_config[model.active_adapter] if is_peft else None,
+            adapter_name=model.active_adapter if is_peft else "default",
+            generation_defaults=getattr(base, "generation_config", None),
+        ),
+        generation_config=trainer.generation_config,
+        temperature=trainer.temperature,
+        eos_token_ids=list(trainer.eos_token_ids),
+        pad_token_id=trainer._tokenizer.pad_token_id,
+        processing_class=trainer.processing_class,
+        chat_template=trainer.chat_template,
+        chat_template_kwargs=dict(trainer.chat_template_kwargs or {}),
+        dataset=trainer.train_dataset,
+        num_generations=trainer.num_generations,
+        generation_batch_size=args.generation_batch_size,
+        shuffle=trainer.shuffle_dataset,
+        seed=args.seed,
+        reward_funcs=[
+            None if is_model else f for f, is_model in zip(trainer.reward_funcs, reward_models, strict=True)
+        ],
+        reward_func_names=list(trainer.reward_func_names),
+        decode=bool(args.log_completions) or any(reward_models) or any_text_reward,
+        parent_pid=os.getpid(),
+        columns=_kept_columns(trainer),
+    )
+
+
+def _kept_columns(trainer) -> list[str] | None:
+    """The dataset columns `Trainer` would have kept (`remove_unused_columns`), or None for all of them."""
+    if not trainer.args.remove_unused_columns or is_iterable_dataset(trainer.train_dataset):
+        return None
+    import datasets
+
+    if not isinstance(trainer.train_dataset, datasets.Dataset):
+        return None
+    trainer._set_signature_columns_if_needed()
+    return list(trainer._signature_columns)
+
+
+def backend_name(args) -> str:
+    if args.generation_backend == "vllm":
+        return "vllm-server" if args.vllm_mode == "server" else "vllm"
+    return args.generation_backend
+
+
+def backend_options(args, where: Placement) -> dict:
+    """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
+    if args.generation_backend != "vllm":
+        return {}
+    if args.vllm_mode == "server":
+        return dict(
+            base_url=args.vllm_server_base_url,
+            host=args.vllm_server_host,
+            port=args.vllm_server_port,
+            group_port=args.vllm_group_port,
+            connection_timeout=args.vllm_server_timeout,
+            sampling_overrides=args.generation_kwargs,
+        )
+    engine_kwargs = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}
+    if args.vllm_enable_sleep_mode:
+        engine_kwargs["enable_sleep_mode"] = True
+    options = dict(
+        max_model_len=args.vllm_max_model_length,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        engine_seed=args.seed,
+        sampling_overrides=args.generation_kwargs,
+        engine_kwargs=engine_kwargs or None,
+    )
+    if torch.device(where.device).type == "cuda":  # on CPU vLLM sizes its KV cache in bytes instead
+        options["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+    return options

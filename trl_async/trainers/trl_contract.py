@@ -1,0 +1,234 @@
+"""Everything the trainers assume about TRL's private `GRPOTrainer` API, in one place (TRL 1.16).
+
+TRL ships a minor release every few weeks, and its private methods change between them; TRL itself removed GFPO, PAPO
+and DPPO because their overrides drifted silently. The trainers override a few of TRL's methods (`HOOKS`), read one
+tuple layout (`GENERATE_FIELDS`) and rely on two call orders (`CALL_ORDER`). `tests/test_trl_contract.py` checks each
+of these against the installed TRL, so an upgrade that changes one fails that test, naming what changed, instead of
+failing silently in training. `check_hooks()` runs the signature part when a trainer class is first built and warns.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+# The 8-tuple `GRPOTrainer._generate(prompts)` returns, in order.
+GENERATE_FIELDS = (
+    "prompt_ids",
+    "completion_ids",
+    "tool_mask",
+    "completions",
+    "logprobs",
+    "extra_fields",
+    "images",
+    "tool_images",
+)
+
+# The TRL methods the trainers override or call by name, with the leading parameters they rely on (TRL may add more
+# keyword parameters after these without breaking anything).
+HOOKS = {
+    "__init__": ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class"),
+    "get_train_dataloader": ("self",),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_generate": ("self", "prompts"),
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ),
+    "_compute_loss": ("self", "model", "inputs"),
+    "training_step": ("self", "model", "inputs", "num_items_in_batch"),
+    "log": ("self", "logs", "start_time"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+}
+
+# The call orders the one hand-off slot (`engine.HookSlot`) relies on, checked by running TRL's own methods.
+CALL_ORDER = {
+    "_generate_and_score_completions": "calls _generate(prompts) once, then _calculate_rewards(...) once, and "
+    "returns the batch dict; nothing else reads the rollout batch",
+    "_compute_loss": "calls _get_per_token_logps_and_entropies(model, ...) for the policy first, and reads "
+    "inputs['advantages'] only after it",
+}
+
+
+def generate_result(**fields) -> tuple:
+    """The tuple `GRPOTrainer._generate` returns, from its fields by name (every one of `GENERATE_FIELDS`)."""
+    missing, unknown = set(GENERATE_FIELDS) - set(fields), set(fields) - set(GENERATE_FIELDS)
+    if missing or unknown:
+        raise TypeError(f"generate_result: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return tuple(fields[name] for name in GENERATE_FIELDS)
+
+
+def generate_fields(result: tuple) -> dict:
+    """The fields of a `GRPOTrainer._generate` result, by name."""
+    if len(result) != len(GENERATE_FIELDS):
+        raise TypeError(f"GRPOTrainer._generate returned {len(result)} values; trl_async expects {GENERATE_FIELDS}")
+    return dict(zip(GENERATE_FIELDS, result, strict=True))
+
+
+def hook_mismatches(trainer_class) -> list[str]:
+    """The hooks of `trainer_class` (TRL's `GRPOTrainer`) whose leading parameters differ from `HOOKS`."""
+    mismatches = []
+    for name, expected in HOOKS.items():
+        method = getattr(trainer_class, name, None)
+        if method is None:
+            mismatches.append(f"{name}: missing")
+            continue
+        parameters = tuple(inspect.signature(method).parameters)[: len(expected)]
+        if parameters != expected:
+            mismatches.append(f"{name}{parameters}: expected {expected}")
+    return mismatches
+
+
+def check_hooks(trainer_class) -> None:
+    """Warn once per class when the installed TRL's hooks differ from what the trainers were written against."""
+    mismatches = hook_mismatches(trainer_class)
+    if mismatches:
+        import trl
+
+        warnings.warn(
+            f"trl_async was written against TRL 1.16's GRPOTrainer; the installed TRL {trl.__version__} differs in: "
+            + "; ".join(mismatches)
+            + ". Install trl>=1.16,<1.17 (pyproject.toml) or expect wrong results.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def bind_init(*args, **kwargs) -> inspect.BoundArguments:
+    """`GRPOTrainer.__init__`'s arguments bound by name (`self` as None), so that they can be read and replaced."""
+    from trl import GRPOTrainer
+
+    return inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------- config
+def finish_grpo_config(args, *, require_groups: bool) -> None:
+    """`GRPOConfig.__post_init__` (TRL 1.16): its base's post-init (TRL's `_BaseConfig`, then `TrainingArguments`),
+    TRL's normalisations and checks, and the batch geometry (`generation_batch_size`, `steps_per_generation`) the
+    trainer reads.
+
+    `require_groups=False` leaves out one check, `num_generations >= 2`: GRPO's group baseline needs two completions
+    per prompt, PPO's baseline is its critic. `AsyncPPOConfig` uses it; `tests/test_trl_contract.py` checks that with
+    `require_groups=True` every field and every error equals `GRPOConfig.__post_init__`'s, over a grid of settings.
+    """
+    from trl.trainer.base_config import _BaseConfig
+
+    _BaseConfig.__post_init__(args)
+    _normalise_grpo_fields(args)
+    _refuse_grpo_settings(args)
+    _derive_generation_batch(args)
+    _check_groups(args, require_groups)
+    _check_importance_sampling(args)
+
+
+def _normalise_grpo_fields(args) -> None:
+    if isinstance(args.pad_to_multiple_of, str) and args.pad_to_multiple_of != "auto":  # the CLI passes a string
+        args.pad_to_multiple_of = (
+            None if args.pad_to_multiple_of.lower() in ("none", "null") else int(args.pad_to_multiple_of)
+        )
+    if args.pad_to_multiple_of == "auto":
+        args.pad_to_multiple_of = 128 if args.device.type == "neuron" else None
+    if args.use_transformers_paged:
+        warnings.warn(
+            "`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
+            "`use_transformers_continuous_batching` instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
+        args.use_transformers_continuous_batching = True
+    args.scale_rewards = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)
+
+
+def _refuse_grpo_settings(args) -> None:
+    parallelism = args.parallelism_config
+    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+        raise ValueError(
+            "GRPOTrainer does not support sequence-dim parallelism (`parallelism_config.cp_size > 1` or "
+            "`parallelism_config.sp_size > 1`) yet. Set both `cp_size=1` and `sp_size=1`, or disable "
+            "`parallelism_config`."
+        )
+    if args.log_completions_hub_repo is not None and not args.log_completions:
+        raise ValueError(
+            "log_completions_hub_repo is set, but log_completions is False. Enable log_completions to upload "
+            "completions to the Hub, or unset log_completions_hub_repo."
+        )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size is not supported by GRPO, because the generation batch must contain full prompt "
+            "groups of num_generations completions, and reducing the batch size on out-of-memory breaks this "
+            "invariant. Set auto_find_batch_size=False and lower per_device_train_batch_size instead."
+        )
+
+
+def _derive_generation_batch(args) -> None:
+    global_batch = args.per_device_train_batch_size * args.world_size
+    if args.generation_batch_size is None and args.steps_per_generation is None:
+        args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = global_batch * args.steps_per_generation
+    elif args.generation_batch_size is not None and args.steps_per_generation is None:
+        if args.generation_batch_size % global_batch != 0:
+            raise ValueError(
+                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global batch size "
+                f"({global_batch})."
+            )
+        args.steps_per_generation = args.generation_batch_size // global_batch
+    elif args.generation_batch_size is None and args.steps_per_generation is not None:
+        args.generation_batch_size = global_batch * args.steps_per_generation
+    else:
+        raise ValueError(
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time"
+        )
+
+
+def _check_groups(args, require_groups: bool) -> None:
+    if args.do_eval and args.eval_strategy != "no":
+        num_generations = args.num_generations_eval or args.num_generations
+        if (args.per_device_eval_batch_size * args.world_size) % num_generations != 0:
+            raise ValueError(
+                f"The global eval batch size ({args.per_device_eval_batch_size} * {args.world_size}) must be "
+                f"divisible by the number of generations used for evaluation ({num_generations})."
+            )
+    if args.generation_batch_size % args.num_generations != 0:
+        raise ValueError(
+            f"generation_batch_size ({args.generation_batch_size}) must be divisible by num_generations "
+            f"({args.num_generations})."
+        )
+    if require_groups and args.num_generations < 2:
+        raise ValueError(
+            "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+            f"{args.num_generations}, which is less than the minimum required."
+        )
+
+
+def _check_importance_sampling(args) -> None:
+    if args.vllm_importance_sampling_cap is not None:
+        warnings.warn(
+            "The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+            "Use `vllm_importance_sampling_clip_max` instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
+        args.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_cap
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max ({high})."
+        )
+    if (
+        args.vllm_importance_sampling_correction
+        and args.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")
+        and low is None
+        and high is None
+    ):
+        raise ValueError(
+            "At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_clip_max` must be set "
+            "when `vllm_importance_sampling_mode` is a `*_truncate` mode."
+        )
