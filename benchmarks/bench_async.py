@@ -63,9 +63,8 @@ def run_worker(config: dict) -> dict:
     from trl import GRPOTrainer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
     from trl_async.rewards import math_answer_text_reward
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -132,8 +131,7 @@ def run_probe(config: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())

@@ -39,8 +39,7 @@ def build_trainer(output_dir: str, forced_length: int | None):
     from transformers import AutoTokenizer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     optional = {"max_completion_length": forced_length} if forced_length else {}
     args = AsyncGRPOConfig(

@@ -65,8 +65,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     sys.path.insert(0, os.path.dirname(HERE))
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,9 +40,8 @@ def run(method: str, seed: int, steps: int, rows_per_step: int, max_completion_l
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
     from trl_async.rewards import MathAnswerReward
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     dataset = make_arithmetic_dataset(num_train=4000, num_test=8, seed=seed)["train"]

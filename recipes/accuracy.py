@@ -56,7 +56,8 @@ def load_eval_dataset(recipe, seed: int):
 
     Errors name the field to fix.
     """
-    from trl_async.data import looks_like_local_path, make_arithmetic_dataset
+    from trl_async.data import looks_like_local_path
+    from trl_async.toy import make_arithmetic_dataset
 
     name = recipe.eval_dataset
     if name is None:

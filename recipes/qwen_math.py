@@ -128,7 +128,7 @@ class RecipeArguments:
 def resolve_model_path(name_or_path: str) -> str:
     """The bundled model's folder, a local folder that must exist, or a Hub id (checked when loading)."""
     if name_or_path == BUNDLED_MODEL:
-        from trl_async.assets import tiny_model_path
+        from trl_async.toy import tiny_model_path
 
         return tiny_model_path()
     # A Hub id is "name" or "org/name"; anything else that looks like a path is treated as one.
@@ -164,7 +164,7 @@ def load_model_and_tokenizer(name_or_path: str, model_args):
 def load_train_dataset(recipe, seed: int):
     from accuracy import load_math_dataset
 
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset
 
     if recipe.dataset == "arithmetic":
         splits = make_arithmetic_dataset(

@@ -1,4 +1,4 @@
-"""Tests for the bundled tiny model in trl_async/assets/tiny_qwen2 (built by ``python -m trl_async.assets.build``)."""
+"""Tests for the bundled tiny model in trl_async/toy/tiny_qwen2 (built by ``python -m trl_async.toy.build``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from trl_async.assets import greedy_accuracy, tiny_model_path
-from trl_async.data import arithmetic_solution, make_arithmetic_dataset
+from trl_async.toy import arithmetic_solution, greedy_accuracy, make_arithmetic_dataset, tiny_model_path
 
 PATH = tiny_model_path()
 CHATML = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"

@@ -13,9 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rollout import GeneratorError
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 # The keys of TRL 1.16's batch dict for text-only GRPO; see `test_batch_dict_contract_matches_trl`.
 TRL_BATCH_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}

@@ -32,13 +32,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from trl_async.assets import tiny_model_path
 from trl_async.rollout.backends import (
     HFBackend,
     ModelSpec,
     generate_with_behaviour_logprobs,
     generation_config_for_rollouts,
 )
+from trl_async.toy import tiny_model_path
 
 MAX_NEW_TOKENS = 24
 TOLERANCE = 1e-4

@@ -11,11 +11,10 @@ import torch
 from trainer_utils import answer_reward, load_tokenizer, make_args
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rollout.cores import GENERATOR, TRAINER, CoreLending
 from trl_async.rollout.placement import choose_placement
 from trl_async.rollout.queue import StalenessBoundedQueue
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 
 class _ThreadsSeen(torch.autograd.Function):

@@ -9,12 +9,8 @@ import shutil
 
 import pytest
 
-from trl_async.data import (
-    arithmetic_solution,
-    extract_gsm8k_answer,
-    load_gsm8k,
-    make_arithmetic_dataset,
-)
+from trl_async.data import extract_gsm8k_answer, load_gsm8k
+from trl_async.toy import arithmetic_solution, make_arithmetic_dataset
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "gsm8k_test_sample50.jsonl")
 PROMPT_RE = re.compile(r"What is (\d+)([+-])(\d+)\?")

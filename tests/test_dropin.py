@@ -7,8 +7,7 @@ import sys
 import time
 import uuid
 
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "trl_docs_grpo.py")
 

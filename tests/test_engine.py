@@ -22,7 +22,7 @@ from trainer_utils import (
 from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.data import make_arithmetic_dataset
+from trl_async.toy import make_arithmetic_dataset
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_iterable_dataset_trains_asynchronously(tmp_path, dataset, tokenizer):
 def test_reward_model_is_scored_in_the_trainer(tmp_path, dataset, tokenizer):
     from transformers import AutoModelForSequenceClassification
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
     reward_model.config.pad_token_id = tokenizer.pad_token_id

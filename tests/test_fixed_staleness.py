@@ -10,7 +10,7 @@ import pytest
 from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 
 from trl_async import AsyncGRPOConfig
-from trl_async.data import make_arithmetic_dataset
+from trl_async.toy import make_arithmetic_dataset
 
 
 @pytest.fixture(scope="module")

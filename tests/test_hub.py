@@ -18,7 +18,6 @@ import textwrap
 import pytest
 from huggingface_hub import ModelCard
 
-from trl_async.assets import tiny_model_path
 from trl_async.hub import (
     CardSummary,
     build_model_card,
@@ -28,6 +27,7 @@ from trl_async.hub import (
     validate_push_args,
     write_eval_results,
 )
+from trl_async.toy import tiny_model_path
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -298,7 +298,7 @@ USER_SCRIPT = """
     from transformers import AutoTokenizer
     from trl import GRPOConfig
     from trl_async import AsyncGRPOTrainer
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset
     from trl_async.rewards import MathAnswerReward
 
     output_dir, repo, base_repo = sys.argv[1:4]

@@ -19,7 +19,7 @@ from trl import GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
 from trl_async.config import TRL_LOSS_TYPES
-from trl_async.data import make_arithmetic_dataset
+from trl_async.toy import make_arithmetic_dataset
 
 
 @pytest.fixture(scope="module")

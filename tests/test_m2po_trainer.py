@@ -9,9 +9,8 @@ from trainer_utils import length_reward, load_model, make_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rewards import MathAnswerReward
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from trl_async.offpolicy import (
     row_age_counts,
 )
 
-from trl_async.data import make_arithmetic_dataset
 from trl_async.importance import truncated_importance_weights
+from trl_async.toy import make_arithmetic_dataset
 
 
 def _random_case(seed: int, rows=5, width=7):

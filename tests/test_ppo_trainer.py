@@ -24,12 +24,11 @@ from transformers import AutoModelForSequenceClassification, TrainerCallback
 from trl import GRPOConfig
 
 from trl_async import AsyncPPOConfig, AsyncPPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.ppo import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
 from trl_async.ppo_math import explained_variance, gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
 from trl_async.rewards import MathAnswerReward
 from trl_async.rollout.client import publishable_parameters
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 PPO_METRICS = (
     "ppo/value_loss", "ppo/explained_variance", "ppo/approx_kl", "ppo/clipfrac", "ppo/returns_mean",

@@ -57,7 +57,7 @@ def build_grpo_trainer(output_dir: str, dataset, **overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     kwargs = dict(output_dir=output_dir, report_to="none", max_steps=1000, use_cpu=True, seed=0, bf16=False)
     kwargs.update(overrides)

@@ -156,8 +156,8 @@ sys.path.insert(0, sys.argv[1])
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import accuracy
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
+from trl_async.toy import tiny_model_path
+from trl_async.toy import make_arithmetic_dataset
 
 state = PartialState(cpu=True)  # several CPU processes (gloo), as TrainingArguments(use_cpu=True) sets it up
 tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
@@ -174,8 +174,7 @@ def test_sharded_evaluation_across_two_processes_equals_one_process(tmp_path):
     hits are those of a single-process evaluation, in the same order, on every rank."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     script = tmp_path / "sharded_eval.py"
     script.write_text(SHARDED_EVAL_SCRIPT)
@@ -200,9 +199,8 @@ def test_tensor_reward_agrees_with_the_text_reward_on_the_tiny_model():
     EOS), MathAnswerReward on ids and the regex on decoded text give the same score on every row."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
     from trl_async.rewards import MathAnswerReward, math_answer_text_reward
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path())

@@ -14,8 +14,8 @@ from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_
 from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOTrainer
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rollout import GeneratorError
+from trl_async.toy import make_arithmetic_dataset
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_wrapper_components_are_removed_from_real_wrapped_models():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from transformers import AutoModelForCausalLM
 
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path())
     plain_names = [n for n, _ in plain.named_parameters()]
@@ -137,7 +137,7 @@ def test_fsdp1_is_refused_at_publish_time():
         dist.init_process_group("gloo", rank=0, world_size=1)
         from torch.distributed.fsdp import FullyShardedDataParallel
         from transformers import AutoModelForCausalLM
-        from trl_async.assets import tiny_model_path
+        from trl_async.toy import tiny_model_path
         from trl_async.rollout.gather import model_sharding
         model = FullyShardedDataParallel(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
                                          device_id=torch.device("cpu"), use_orig_params=True)
@@ -167,7 +167,7 @@ def test_up_front_check_refuses_fsdp1_only(tmp_path, monkeypatch, fsdp_config, e
     from transformers import AutoModelForCausalLM
 
     from trl_async import AsyncGRPOConfig
-    from trl_async.assets import tiny_model_path
+    from trl_async.toy import tiny_model_path
     from trl_async.unsupported import check_async_supported
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):

@@ -10,9 +10,8 @@ from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_async import AsyncGRPOTrainer, shared_prompt
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.shared_prompt import pack_prompt_groups, prefix_forward, split_prompt_prefix
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 
 def grpo_batch(seed=0, groups=3, group_size=4, prompt_width=9, completion_width=7, vocab=400, min_completion=1):

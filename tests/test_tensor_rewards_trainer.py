@@ -22,9 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rewards import LengthPenalty, MathAnswerReward, TensorReward, math_answer_text_reward
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 _BaseTokenizer = type(AutoTokenizer.from_pretrained(tiny_model_path()))
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
+from trl_async.toy import tiny_model_path
 
 
 def load_model():

@@ -316,7 +316,7 @@ def _train_with_swapped_class(tmp_path, async_generation: bool) -> dict:
         os.environ["PYTEST_CURRENT_TEST"] = "tests/x.py::test_case (call)"
         from swapped_pkg._trl_compat_swap import GRPOTrainer
         from trl_async import AsyncGRPOConfig
-        from trl_async.assets import tiny_model_path
+        from trl_async.toy import tiny_model_path
         from datasets import Dataset
 
         prompts = [[{{"role": "user", "content": f"{{i}}+{{i}}="}}] for i in range(8)]

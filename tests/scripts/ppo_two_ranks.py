@@ -10,9 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_async import AsyncPPOConfig, AsyncPPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rewards import MathAnswerReward
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 METRICS = (
     "ppo/value_loss", "ppo/explained_variance", "ppo/approx_kl", "ppo/clipfrac", "ppo/returns_mean",

@@ -28,9 +28,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rollout.gather import is_dtensor, is_zero3_parameter, model_sharding
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 
 def even_token_reward(completion_ids, **kwargs):

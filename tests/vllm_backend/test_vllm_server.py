@@ -30,8 +30,8 @@ from vllm_helpers import (  # noqa: E402
     tiny_prompts,
 )
 
-from trl_async.assets import tiny_model_path  # noqa: E402
 from trl_async.rollout.backends.vllm import VLLMServerBackend, serve_environment, vllm_serve_command  # noqa: E402
+from trl_async.toy import tiny_model_path  # noqa: E402
 
 TOLERANCE = 1e-3
 STARTUP_TIMEOUT_S = 600

@@ -23,7 +23,7 @@ from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_
 from trl import GRPOConfig  # noqa: E402
 
 from trl_async import AsyncGRPOTrainer  # noqa: E402
-from trl_async.data import make_arithmetic_dataset  # noqa: E402
+from trl_async.toy import make_arithmetic_dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")

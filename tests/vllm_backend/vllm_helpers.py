@@ -7,10 +7,9 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from trl_async.assets import tiny_model_path
-from trl_async.data import make_arithmetic_dataset
 from trl_async.rollout.backends import ModelSpec
 from trl_async.rollout.weights import SharedWeightStore, named_frozen_parameters, named_trainable_parameters
+from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 EOS = 2
 PAD = 0

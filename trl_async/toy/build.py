@@ -1,4 +1,4 @@
-"""Build the bundled tiny model: ``python -m trl_async.assets.build [--out DIR]``.
+"""Build the bundled tiny model: ``python -m trl_async.toy.build [--out DIR]``.
 
 1. Trains a byte-level BPE tokenizer on generated arithmetic chat text. Digits are split off one by one
    before BPE, so every digit is a single token. Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``
@@ -131,9 +131,8 @@ def _collate(examples, pad_id):
     return ids, mask, labels
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..data import make_arithmetic_dataset
-    from . import greedy_accuracy, sampled_accuracy, tiny_model_path
+def _parse_args(argv):
+    from . import tiny_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=tiny_model_path(), help="output folder (default: the bundled tiny_qwen2/)")
@@ -153,23 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch threads (default 1: reproducible, and much faster than 2 on a busy 2-core machine; 0: torch default)",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    t0 = time.time()
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+def _tokenizer_and_examples(args):
+    """(tokenizer, SFT examples, held-out test split): the tokenizer trained on the chat-formatted train text."""
+    from .arithmetic import arithmetic_solution, make_arithmetic_dataset
 
     data = make_arithmetic_dataset(num_train=args.num_train, num_test=200, seed=args.seed)
     train_rows, test = list(data["train"]["prompt"]), data["test"]
-
-    # 1. tokenizer, trained on the chat-formatted train text
-    from ..data import arithmetic_solution
-
     corpus = []
     for r in train_rows:
         a, op, b = _problem_of(r[0]["content"])
@@ -184,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         f"pad={tokenizer.pad_token}({tokenizer.pad_token_id})",
         flush=True,
     )
-
     examples = _encode_examples(tokenizer, train_rows)
     c_lens = [len(c) for _, c in examples]
     print(
@@ -192,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{min(c_lens)}/{sum(c_lens) / len(c_lens):.1f}/{max(c_lens)}",
         flush=True,
     )
+    return tokenizer, examples, test
 
-    # 2. model
+
+def _new_model(tokenizer, args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden,
@@ -214,22 +208,23 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = config.bos_token_id
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen2ForCausalLM, {n_params:,} parameters", flush=True)
+    print(f"model: Qwen2ForCausalLM, {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    return model
+
+
+def _train_into_band(model, tokenizer, examples, test, args, t0):
+    """SFT until the greedy accuracy on `test` lands in TARGET_BAND (or the best checkpoint in REQUIRED_BAND);
+    returns (accuracy, step, state_dict or None for the current weights), or None."""
+    import torch
+
+    from .model import greedy_accuracy
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = 30
-
-    def lr_at(step):
-        return args.lr * min(1.0, (step + 1) / warmup)
-
     rng = random.Random(args.seed)
     order: list[int] = []
     fallback = None  # (acc, step, state_dict) inside REQUIRED_BAND, closest to 0.30
-    chosen = None
-    eval_every = args.eval_every
-    last_acc = 0.0
-    step = 0
+    eval_every, last_acc, step = args.eval_every, 0.0, 0
     model.train()
     while step < args.max_steps:
         if len(order) < args.batch_size:
@@ -240,48 +235,39 @@ def main(argv: list[str] | None = None) -> int:
         del order[: args.batch_size]
         ids, mask, labels = _collate(batch, tokenizer.pad_token_id)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = args.lr * min(1.0, (step + 1) / warmup)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-
-        if step % eval_every == 0:
-            acc = greedy_accuracy(model, tokenizer, test)
-            el = time.time() - t0
-            print(f"step {step:5d}  loss {loss.item():.4f}  greedy acc {acc:.3f}  ({el:.0f}s)", flush=True)
-            if acc >= 0.08:
-                eval_every = args.eval_every_close
-            last_acc = acc
-            if TARGET_BAND[0] <= acc <= TARGET_BAND[1]:
-                chosen = (acc, step, None)
-                break
-            if REQUIRED_BAND[0] <= acc <= REQUIRED_BAND[1]:
-                if fallback is None or abs(acc - 0.30) < abs(fallback[0] - 0.30):
-                    fallback = (acc, step, copy.deepcopy(model.state_dict()))
-            if acc > REQUIRED_BAND[1] and fallback is not None:
-                chosen = fallback
-                break
-            if el > args.time_limit:
-                break
-    if chosen is None:
-        chosen = fallback
-    if chosen is None:
+        if step % eval_every:
+            continue
+        acc = greedy_accuracy(model, tokenizer, test)
+        el = time.time() - t0
+        print(f"step {step:5d}  loss {loss.item():.4f}  greedy acc {acc:.3f}  ({el:.0f}s)", flush=True)
+        if acc >= 0.08:
+            eval_every = args.eval_every_close
+        last_acc = acc
+        if TARGET_BAND[0] <= acc <= TARGET_BAND[1]:
+            return acc, step, None
+        if REQUIRED_BAND[0] <= acc <= REQUIRED_BAND[1]:
+            if fallback is None or abs(acc - 0.30) < abs(fallback[0] - 0.30):
+                fallback = (acc, step, copy.deepcopy(model.state_dict()))
+        if (acc > REQUIRED_BAND[1] and fallback is not None) or el > args.time_limit:
+            break
+    if fallback is None:
         print(
             f"FAILED: no checkpoint with greedy accuracy in {REQUIRED_BAND} (last {last_acc:.3f} at step {step}); "
             "try --lr, --eval-every-close or --time-limit.",
             file=sys.stderr,
         )
-        return 1
-    acc, best_step, state = chosen
-    if state is not None:
-        model.load_state_dict(state)
-    print(f"selected step {best_step}: greedy accuracy {acc:.3f}", flush=True)
+    return fallback
 
-    # 3. save, then reload from disk and re-measure
-    out = os.path.abspath(args.out)
+
+def _save(model, tokenizer, out: str) -> None:
+    """Save into `out` through a temporary folder beside it (never a half-written model), float32 in config.json."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="tiny_qwen2_", dir=os.path.dirname(out))
     try:
@@ -305,13 +291,19 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
 
+
+def _check_saved(out: str, test, seed: int, t0: float) -> int:
+    """Reload from disk and re-measure; 1 when the reloaded accuracy is outside REQUIRED_BAND."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .model import greedy_accuracy, sampled_accuracy
 
     tok2 = AutoTokenizer.from_pretrained(out)
     model2 = AutoModelForCausalLM.from_pretrained(out)
     g_acc = greedy_accuracy(model2, tok2, test)
-    s_acc = sampled_accuracy(model2, tok2, test, temperature=1.0, num_samples=8, seed=args.seed)
+    s_acc = sampled_accuracy(model2, tok2, test, temperature=1.0, num_samples=8, seed=seed)
     size_mb = os.path.getsize(os.path.join(out, "model.safetensors")) / 1e6
+    n_params = sum(p.numel() for p in model2.parameters())
     print(f"saved {out} ({size_mb:.1f} MB model.safetensors, {n_params:,} parameters)")
     print(f"greedy accuracy (reloaded, 200 held-out): {g_acc:.3f}")
     print(f"sampled accuracy at T=1.0 (8 samples x 200 held-out): {s_acc:.3f}")
@@ -320,6 +312,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: reloaded greedy accuracy {g_acc:.3f} is outside {REQUIRED_BAND}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    t0 = time.time()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer, examples, test = _tokenizer_and_examples(args)
+    model = _new_model(tokenizer, args)
+    chosen = _train_into_band(model, tokenizer, examples, test, args, t0)
+    if chosen is None:
+        return 1
+    acc, best_step, state = chosen
+    if state is not None:
+        model.load_state_dict(state)
+    print(f"selected step {best_step}: greedy accuracy {acc:.3f}", flush=True)
+    out = os.path.abspath(args.out)
+    _save(model, tokenizer, out)
+    return _check_saved(out, test, args.seed, t0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""What the trainers assume of TRL's private `GRPOTrainer` API (`trl_async.trainers.trl_contract`), checked against the
+installed TRL by running TRL's own methods: an upgrade that changes a hook's signature, the `_generate` tuple or the
+call order the hook slot relies on fails here, naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from trainer_utils import length_reward, load_model, load_tokenizer, make_args
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_async import AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
+from trl_async.toy import make_arithmetic_dataset
+from trl_async.trainers import trl_contract
+from trl_async.trainers.engine import AsyncRolloutMixin
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_arithmetic_dataset(num_train=32, num_test=8, seed=3)["train"]
+
+
+# ----------------------------------------------------------------------------------------------- signatures
+def test_trl_hooks_have_the_signatures_the_trainers_override():
+    assert trl_contract.hook_mismatches(GRPOTrainer) == []
+
+
+def test_a_changed_hook_signature_is_reported_by_name():
+    class RenamedArgument(GRPOTrainer):
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids):  # TRL renamed one
+            return None
+
+        def _compute_loss(self, model, batch):
+            return None
+
+    mismatches = trl_contract.hook_mismatches(RenamedArgument)
+    assert [m.split("(")[0] for m in mismatches] == ["_calculate_rewards", "_compute_loss"], mismatches
+    with pytest.warns(RuntimeWarning, match="_calculate_rewards"):
+        trl_contract.check_hooks(RenamedArgument)
+
+
+def test_the_trainers_override_only_hooks_named_in_the_contract():
+    """Every TRL method the trainers replace is one the contract names (so a TRL change to it is caught above)."""
+    trl_methods = {name for name in dir(GRPOTrainer) if callable(getattr(GRPOTrainer, name, None))}
+    for trainer_class in (AsyncGRPOTrainer, AsyncPPOTrainer):
+        ours = {
+            name
+            for klass in trainer_class.__mro__[: trainer_class.__mro__.index(GRPOTrainer)]
+            for name in vars(klass)
+            if callable(vars(klass)[name])
+        }
+        replaced = (ours & trl_methods) - {"__init__", "create_model_card", "train", "save_model", "create_optimizer"}
+        replaced -= {"_load_from_checkpoint"}  # Trainer's, not GRPOTrainer's private API
+        assert replaced <= set(trl_contract.HOOKS), sorted(replaced - set(trl_contract.HOOKS))
+
+
+# ----------------------------------------------------------------------------------------------- _generate's tuple
+class _RecordingTRL(GRPOTrainer):
+    """TRL's own trainer, recording the order of the hooks it calls."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+        self.generated = None
+
+    def _generate(self, prompts):
+        self.calls.append("_generate")
+        self.generated = super()._generate(prompts)
+        return self.generated
+
+    def _calculate_rewards(self, *args, **kwargs):
+        self.calls.append("_calculate_rewards")
+        return super()._calculate_rewards(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        self.calls.append("forward")
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+
+class _ReadRecordingDict(dict):
+    def __init__(self, *args, reads: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads = reads
+
+    def __getitem__(self, key):
+        self.reads.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.reads.append(key)
+        return super().get(key, default)
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory, tokenizer, dataset):
+    args = make_args(tmp_path_factory.mktemp("contract"), config_cls=GRPOConfig, max_completion_length=8)
+    trainer = _RecordingTRL(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.model.train()
+    return trainer
+
+
+def test_generate_returns_the_fields_in_the_contracts_order(trl_trainer, tokenizer):
+    prompts = [row["prompt"] for row in trl_trainer.train_dataset.select(range(2))]
+    fields = trl_contract.generate_fields(trl_trainer._generate(prompts))
+    # Identified by content, not position: the prompts' token ids, the completions' ids and their decoding.
+    expected_prompts = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"]  # fmt: skip
+    assert [list(p) for p in fields["prompt_ids"]] == [list(p) for p in expected_prompts]
+    assert len(fields["completion_ids"]) == 2  # one completion per prompt row (TRL's sampler repeats the rows)
+    decoded = tokenizer.batch_decode(fields["completion_ids"], skip_special_tokens=True)
+    assert [c[0]["content"] for c in fields["completions"]] == decoded
+    assert fields["tool_mask"] is None and fields["logprobs"] is None and fields["images"] is None
+    assert fields["extra_fields"] == {} and fields["tool_images"] == []
+
+
+def test_generate_result_builds_trls_tuple_by_name():
+    values = {name: object() for name in trl_contract.GENERATE_FIELDS}
+    assert trl_contract.generate_fields(trl_contract.generate_result(**values)) == values
+    with pytest.raises(TypeError, match="tool_mask"):
+        trl_contract.generate_result(**{k: v for k, v in values.items() if k != "tool_mask"})
+
+
+# ----------------------------------------------------------------------------------------------- call order
+def test_scoring_calls_generate_then_rewards_once_each(trl_trainer, dataset):
+    rows = [dataset[i] for i in range(trl_trainer.args.generation_batch_size // trl_trainer.num_generations)]
+    rows = [row for row in rows for _ in range(trl_trainer.num_generations)]
+    trl_trainer.calls.clear()
+    trl_trainer._generate_and_score_completions(rows)
+    hooks = [c for c in trl_trainer.calls if c != "forward"]
+    assert hooks == ["_generate", "_calculate_rewards"], trl_trainer.calls
+
+
+def test_compute_loss_runs_the_policy_forward_before_reading_the_advantages(trl_trainer, dataset):
+    rows = [dataset[i] for i in range(trl_trainer.args.generation_batch_size // trl_trainer.num_generations)]
+    rows = [row for row in rows for _ in range(trl_trainer.num_generations)]
+    batch = trl_trainer._generate_and_score_completions(rows)
+    order: list = []
+    recorded = _ReadRecordingDict(batch, reads=order)
+    trl_trainer.calls = order  # the forward's calls go into the same list as the dict's reads
+    trl_trainer.current_gradient_accumulation_steps = 1
+    trl_trainer._compute_loss(trl_trainer.model, recorded)
+    assert "forward" in order and "advantages" in order, order
+    assert order.index("forward") < order.index("advantages"), order
+
+
+# ----------------------------------------------------------------------------------------------- the hook slot
+def test_the_hook_slot_lives_for_one_trl_call_only(tmp_path, tokenizer, dataset):
+    seen = {}
+
+    class Probe(AsyncGRPOTrainer):
+        def _calculate_rewards(self, *args, **kwargs):
+            seen["slot_in_call"] = self._hook_slot
+            return super()._calculate_rewards(*args, **kwargs)
+
+    args = make_args(tmp_path, max_steps=2, max_completion_length=8, trainer_generates_while_starting=False)
+    trainer = Probe(model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset,
+                    processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    assert seen["slot_in_call"] is not None and seen["slot_in_call"].batch is not None
+    assert seen["slot_in_call"].rewards_per_func is not None  # what the call returned, recorded for PPO
+    assert trainer._hook_slot is None
+    # No TRL hook was assigned on the instance.
+    assert not set(trainer.__dict__) & set(trl_contract.HOOKS)
+
+
+# ----------------------------------------------------------------------------------------------- the config
+def _grpo_post_init_probe(require_groups: bool):
+    @dataclasses.dataclass
+    class Probe(GRPOConfig):
+        def __post_init__(self):
+            trl_contract.finish_grpo_config(self, require_groups=require_groups)
+
+    return Probe
+
+
+CONFIG_GRID = [
+    dict(per_device_train_batch_size=8, num_generations=4),
+    dict(per_device_train_batch_size=8, num_generations=4, steps_per_generation=3),
+    dict(per_device_train_batch_size=8, num_generations=2, generation_batch_size=24),
+    dict(per_device_train_batch_size=8, num_generations=2, generation_batch_size=20),  # not a multiple: error
+    dict(per_device_train_batch_size=8, num_generations=2, generation_batch_size=16, steps_per_generation=2),
+    dict(per_device_train_batch_size=6, num_generations=4),  # 6 % 4: error
+    dict(per_device_train_batch_size=8, num_generations=1),  # GRPO's group check
+    dict(per_device_train_batch_size=8, num_generations=4, pad_to_multiple_of="64", scale_rewards=True),
+    dict(per_device_train_batch_size=8, num_generations=4, pad_to_multiple_of="none", scale_rewards=False),
+    dict(
+        per_device_train_batch_size=8,
+        num_generations=4,
+        vllm_importance_sampling_clip_min=2.0,
+        vllm_importance_sampling_clip_max=1.0,
+    ),  # fmt: skip
+    dict(
+        per_device_train_batch_size=8,
+        num_generations=4,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=None,
+    ),  # fmt: skip
+    dict(per_device_train_batch_size=8, num_generations=4, vllm_importance_sampling_cap=5.0),
+    dict(per_device_train_batch_size=8, num_generations=4, auto_find_batch_size=True),
+    dict(per_device_train_batch_size=8, num_generations=4, log_completions_hub_repo="me/x"),
+    dict(
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=3,
+        do_eval=True,
+        eval_strategy="steps",
+        per_device_eval_batch_size=6,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("settings", CONFIG_GRID, ids=range(len(CONFIG_GRID)))
+def test_finish_grpo_config_is_grpo_configs_post_init(tmp_path, settings):
+    common = dict(output_dir=str(tmp_path), report_to="none", bf16=False)
+
+    def build(cls):
+        try:
+            return cls(**common, **settings).to_dict(), None
+        except ValueError as error:
+            return None, str(error)
+
+    with pytest.warns() if "vllm_importance_sampling_cap" in settings else _no_check():
+        theirs = build(GRPOConfig)
+    with pytest.warns() if "vllm_importance_sampling_cap" in settings else _no_check():
+        ours = build(_grpo_post_init_probe(require_groups=True))
+    assert ours == theirs
+
+
+def test_without_the_group_check_one_completion_per_prompt_is_valid(tmp_path):
+    config = _grpo_post_init_probe(require_groups=False)(
+        output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=7, num_generations=1
+    )
+    assert (config.generation_batch_size, config.steps_per_generation) == (7, 1)
+    ppo = AsyncPPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, per_device_train_batch_size=7)
+    assert ppo.num_generations == 1 and type(ppo.num_generations) is int and ppo.generation_batch_size == 7
+
+
+class _no_check:  # noqa: N801 (a context manager)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_ppo_is_not_a_grpo_subclass_both_share_the_mixin():
+    assert not issubclass(AsyncPPOTrainer, AsyncGRPOTrainer)
+    assert AsyncPPOTrainer.__mro__[1] is AsyncRolloutMixin and AsyncGRPOTrainer.__mro__[1] is AsyncRolloutMixin
