@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "AsyncGRPOConfig": ".config",
     "AsyncGRPOTrainer": ".trainers.grpo",
-    "AsyncPPOConfig": ".ppo_config",
+    "AsyncPPOConfig": ".config",
     "AsyncPPOTrainer": ".trainers.ppo",
     "StalenessBoundedQueue": ".rollout",
 }

@@ -34,8 +34,7 @@ from ..algorithms.importance import truncated_importance_weights
 from ..algorithms.m2po import m2po_loss
 from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
 from ..algorithms.ppo import PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
-from ..config import ensure_async_fields
-from ..ppo_config import PPO_LOSS_TYPES, AsyncPPOConfig
+from ..config import PPO_LOSS_TYPES, AsyncPPOConfig, ensure_async_fields
 from . import trl_contract
 from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
 from .engine import AsyncRolloutMixin

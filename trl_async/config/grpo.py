@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .algorithms.m2po import M2PO_RULES, M2PO_SCOPES
-from .schedule import default_max_staleness, usage_span
+from ..algorithms.m2po import M2PO_RULES, M2PO_SCOPES
+from ..schedule import default_max_staleness, usage_span
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _check(condition: bool, message: str) -> None:
 
 def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> None:
     """Validate the async and M2PO fields, and their consistency with TRL's batch geometry. `loss_types`: those the
-    trainer implements (`LOSS_TYPES` for `AsyncGRPOTrainer`, `ppo_config.PPO_LOSS_TYPES` for `AsyncPPOTrainer`)."""
+    trainer implements (`LOSS_TYPES` for `AsyncGRPOTrainer`, `config.ppo.PPO_LOSS_TYPES` for `AsyncPPOTrainer`)."""
     _check(
         args.loss_type in loss_types,
         f"loss_type={args.loss_type!r} is unknown. Use one of {list(loss_types)}.",
@@ -272,27 +272,38 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
         args.shared_prompt_forward in ("auto", "on", "off"),
         f"shared_prompt_forward must be 'auto', 'on' or 'off', got {args.shared_prompt_forward!r}.",
     )
-    if fixed is not None:
-        _check(args.async_generation, "fixed_staleness needs async_generation=True (it holds the generator's weights "
-               "back); unset it for a synchronous run.")  # fmt: skip
-        _check(
-            args.max_staleness == fixed,
-            f"fixed_staleness={fixed} generates every batch exactly max_staleness versions old, but max_staleness="
-            f"{args.max_staleness}. Leave max_staleness unset (it follows fixed_staleness) or set it to {fixed}.",
-        )
-        _check(
-            args.weight_sync_steps == 1,
-            f"fixed_staleness needs every version published (weight_sync_steps=1), got weight_sync_steps="
-            f"{args.weight_sync_steps}.",
-        )
-        _check(
-            args.queue_capacity is None,
-            f"fixed_staleness needs the derived queue_capacity (room for every batch the bound admits), got "
-            f"queue_capacity={args.queue_capacity}. Leave it unset.",
-        )
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)
         _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")
+    if fixed is not None:
+        _validate_fixed_staleness(args)
+    _validate_m2po_fields(args)
+    if args.async_generation and args.max_staleness is not None:
+        _validate_schedule(args)
+
+
+def _validate_fixed_staleness(args) -> None:
+    fixed = args.fixed_staleness
+    _check(args.async_generation, "fixed_staleness needs async_generation=True (it holds the generator's weights "
+           "back); unset it for a synchronous run.")  # fmt: skip
+    _check(
+        args.max_staleness == fixed,
+        f"fixed_staleness={fixed} generates every batch exactly max_staleness versions old, but max_staleness="
+        f"{args.max_staleness}. Leave max_staleness unset (it follows fixed_staleness) or set it to {fixed}.",
+    )
+    _check(
+        args.weight_sync_steps == 1,
+        f"fixed_staleness needs every version published (weight_sync_steps=1), got weight_sync_steps="
+        f"{args.weight_sync_steps}.",
+    )
+    _check(
+        args.queue_capacity is None,
+        f"fixed_staleness needs the derived queue_capacity (room for every batch the bound admits), got "
+        f"queue_capacity={args.queue_capacity}. Leave it unset.",
+    )
+
+
+def _validate_m2po_fields(args) -> None:
     _check(
         args.m2po_threshold is not None and args.m2po_threshold > 0,
         f"m2po_threshold must be > 0 (τ_M2, the paper uses 0.04), got {args.m2po_threshold!r}.",
@@ -320,36 +331,20 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
             "(raise per_device_train_batch_size instead), or use m2po_scope='micro_batch'.",
         )
 
-    if args.async_generation and args.max_staleness is not None:
-        span = usage_span(args)
-        _check(
-            span <= args.max_staleness,
-            f"Each generation batch is trained on across {span + 1} optimizer steps (steps_per_generation="
-            f"{args.steps_per_generation}, num_iterations={args.num_iterations}, gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}), so its rows reach staleness {span} even when fresh. Set "
-            f"max_staleness >= {span}.",
-        )
-        _check(
-            args.weight_sync_steps <= args.max_staleness + 1 - span,
-            f"weight_sync_steps={args.weight_sync_steps} cannot keep rows within max_staleness="
-            f"{args.max_staleness}: the generator would wait for weights that are never published. Set "
-            f"weight_sync_steps <= {args.max_staleness + 1 - span} or raise max_staleness.",
-        )
 
-
-_MOVED_TO_PPO_CONFIG = ("AsyncPPOConfig", "PPO_LOSS_TYPES", "PPO_KL_ESTIMATORS", "validate_ppo_fields")
-
-
-def __getattr__(name):  # PEP 562: the PPO config moved to `trl_async.ppo_config`
-    if name in _MOVED_TO_PPO_CONFIG:
-        import warnings
-
-        from . import ppo_config
-
-        warnings.warn(
-            f"trl_async.config.{name} moved to trl_async.ppo_config; import AsyncPPOConfig from trl_async.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return getattr(ppo_config, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _validate_schedule(args) -> None:
+    """The bound must admit the schedule's own span, and the weights the generator waits for must be published."""
+    span = usage_span(args)
+    _check(
+        span <= args.max_staleness,
+        f"Each generation batch is trained on across {span + 1} optimizer steps (steps_per_generation="
+        f"{args.steps_per_generation}, num_iterations={args.num_iterations}, gradient_accumulation_steps="
+        f"{args.gradient_accumulation_steps}), so its rows reach staleness {span} even when fresh. Set "
+        f"max_staleness >= {span}.",
+    )
+    _check(
+        args.weight_sync_steps <= args.max_staleness + 1 - span,
+        f"weight_sync_steps={args.weight_sync_steps} cannot keep rows within max_staleness="
+        f"{args.max_staleness}: the generator would wait for weights that are never published. Set "
+        f"weight_sync_steps <= {args.max_staleness + 1 - span} or raise max_staleness.",
+    )

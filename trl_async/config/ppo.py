@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import AsyncGRPOConfig, _check, ensure_async_fields
-from .trainers.trl_contract import finish_grpo_config
+from ..trainers.trl_contract import finish_grpo_config
+from .grpo import AsyncGRPOConfig, _check, ensure_async_fields
 
 PPO_LOSS_TYPES = ("ppo", "m2po")
 PPO_KL_ESTIMATORS = ("k1", "k3")
