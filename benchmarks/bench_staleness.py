@@ -166,6 +166,8 @@ def run_sweep(args) -> None:
     todo = [c for c in cells if cell_key(*c) not in results["cells"]]
     print(f"[bench_staleness] {len(cells) - len(todo)} of {len(cells)} cells done; running {len(todo)}", flush=True)
     for contender, k, seed in todo:
+        while args.pause_file and os.path.exists(args.pause_file):  # someone needs a quiet machine: wait between cells
+            time.sleep(10)
         with tempfile.TemporaryDirectory(prefix="bench_staleness-") as output_dir:
             cmd = command(contender, k, seed, output_dir, args.steps)
             started = time.time()
@@ -292,6 +294,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="override the configs' max_steps (not for figures)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "bench_staleness.json"))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--pause-file", help="while this file exists, wait before starting the next cell")
     args = parser.parse_args(argv)
     args.contenders = args.contenders.split(",")
     unknown = set(args.contenders) - set(CONTENDERS)

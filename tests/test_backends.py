@@ -316,7 +316,7 @@ def test_processors_read_once_process_as_transformers_list_does(monkeypatch):
     `LogitsProcessorList` returns, raises where it raises, and reads each processor's signature once, not per step."""
     from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 
-    from trl_async.rollout import backends
+    from trl_async.rollout.backends import hf as backends
 
     processors = [
         MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=5, eos_token_id=2),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_async.importance import fold_into_advantages, truncated_importance_weights
+from trl_async.algorithms.importance import fold_into_advantages, truncated_importance_weights
 
 
 def reference_weights(current, behaviour, mask, mode, clip_min, clip_max):

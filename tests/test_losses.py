@@ -1,4 +1,4 @@
-"""Tests for trl_async.losses (M2PO, arXiv:2510.01161, its three rules, and the reference-page rule).
+"""Tests for trl_async.algorithms.m2po (M2PO, arXiv:2510.01161, its three rules, and the reference-page rule).
 
 Every expectation is re-derived here in plain Python from the algorithm's text (brute-force loops, hand-written
 gradients), never taken from the code under test.  The authors' training code has its own transcription in

@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 
-from trl_async.losses import m2po_loss, m2po_select
+from trl_async.algorithms.m2po import m2po_loss, m2po_select
 
 EPS = 1e-12
 NO_CLIP = 100000  # their "no clipping needed" tau

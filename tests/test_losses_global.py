@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trl_async.losses import m2po_loss, m2po_select, m2po_select_global
+from trl_async.algorithms.m2po import m2po_loss, m2po_select, m2po_select_global
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 _spec = importlib.util.spec_from_file_location("m2po_global_cases", SCRIPTS / "m2po_global_cases.py")

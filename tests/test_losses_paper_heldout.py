@@ -25,7 +25,7 @@ import random
 import numpy as np
 import torch
 
-from trl_async.losses import m2po_mask
+from trl_async.algorithms.m2po import m2po_mask
 
 
 def algorithm_1(log_ratio: np.ndarray, advantage: np.ndarray, valid: np.ndarray, tau: float) -> np.ndarray:

@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
-from trl_async.offpolicy import (
+
+from trl_async.algorithms.importance import truncated_importance_weights
+from trl_async.algorithms.offpolicy import (
     OFFPOLICY_SUM_KEYS,
     OffPolicyWindow,
     importance_weight_sums,
     offpolicy_sums,
     row_age_counts,
 )
-
-from trl_async.importance import truncated_importance_weights
 from trl_async.toy import make_arithmetic_dataset
 
 
@@ -209,9 +209,8 @@ def test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_stalenes
 
 
 def test_m2po_sums_count_masked_and_clipped_tokens_of_the_selection():
-    from trl_async.offpolicy import m2po_offpolicy_sums
-
-    from trl_async.losses import m2po_select
+    from trl_async.algorithms.m2po import m2po_select
+    from trl_async.algorithms.offpolicy import m2po_offpolicy_sums
 
     generator = torch.Generator().manual_seed(5)
     delta = torch.randn(4, 6, generator=generator, dtype=torch.float64) * 0.6

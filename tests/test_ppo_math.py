@@ -1,4 +1,4 @@
-"""PPO math (trl_async.ppo_math) against independent re-derivations.
+"""PPO math (trl_async.algorithms.ppo) against independent re-derivations.
 
 References used here, never the code under test: plain Python loops over rows and tokens, numpy statistics, and
 small examples worked out by hand with the arithmetic in the comments.
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_async.ppo_math import (
+from trl_async.algorithms.ppo import (
     explained_variance,
     gae,
     kl_shaped_rewards,

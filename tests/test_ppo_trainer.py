@@ -2,7 +2,7 @@
 
 The reference computations here do not reuse the trainer's code: log-probs come from the models' plain forward
 (full logits), values from the value model's own sequence-classification forward on every prefix, scores from the
-reward function on the decoded text, and the PPO formulas from `trl_async.ppo_math` (tested on its own against loops
+reward function on the decoded text, and the PPO formulas from `trl_async.algorithms.ppo` (tested on its own against loops
 in tests/test_ppo_math.py).
 """
 
@@ -24,11 +24,18 @@ from transformers import AutoModelForSequenceClassification, TrainerCallback
 from trl import GRPOConfig
 
 from trl_async import AsyncPPOConfig, AsyncPPOTrainer
-from trl_async.ppo import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
-from trl_async.ppo_math import explained_variance, gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
+from trl_async.algorithms.ppo import (
+    explained_variance,
+    gae,
+    kl_shaped_rewards,
+    masked_whiten,
+    ppo_policy_loss,
+    value_loss,
+)
 from trl_async.rewards import MathAnswerReward
 from trl_async.rollout.client import publishable_parameters
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
+from trl_async.trainers.critic import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
 
 PPO_METRICS = (
     "ppo/value_loss", "ppo/explained_variance", "ppo/approx_kl", "ppo/clipfrac", "ppo/returns_mean",
