@@ -36,6 +36,10 @@ class Mutation:
     timeout: float | None = None  # seconds; a mutant that hangs its guards past this is counted as killed
 
 
+PPO_STALE_TEST = (
+    "tests/test_ppo_trainer.py::test_stale_batch_reused_across_steps_gives_ppo_targets_and_loss_computed_independently"
+)
+
 MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness guarantee
     Mutation(
@@ -198,6 +202,46 @@ MUTATIONS = [
         "running = deltas[..., t] + gamma * running",
         ("tests/test_ppo_math.py",),
         "GAE ignores λ (Monte-Carlo advantages)",
+    ),
+    Mutation(
+        "ppo_value_clip_around_new_values",
+        "trl_async/ppo.py",
+        'critic = value_loss(values, inputs["old_values"], inputs["returns"], mask, args.cliprange_value, normalizer)',
+        'critic = value_loss(values, values, inputs["returns"], mask, args.cliprange_value, normalizer)',
+        (PPO_STALE_TEST,),
+        "the value clip is taken around the critic's values at loss time, not V_old: it never binds on a reused batch",
+    ),
+    Mutation(
+        "ppo_importance_weight_dropped",
+        "trl_async/ppo.py",
+        'return inputs["sampling_per_token_logps"] if super()._corrects_behaviour(inputs) else None',
+        "return None",
+        (PPO_STALE_TEST,),
+        "PPO trains on stale rows without the truncated importance weight π_old/μ",
+    ),
+    Mutation(
+        "ppo_importance_weight_against_current_policy",
+        "trl_async/ppo_math.py",
+        "            _zero_padding(old_logps, valid),",
+        "            _zero_padding(logps.detach(), valid),",
+        (PPO_STALE_TEST,),
+        "the importance weight is π_θ/μ (the loss's own forward) instead of π_old/μ on a batch reused across steps",
+    ),
+    Mutation(
+        "ppo_advantages_whitened_without_centring",
+        "trl_async/ppo.py",
+        "advantages = masked_whiten(advantages, mask, shift_mean=True)",
+        "advantages = masked_whiten(advantages, mask, shift_mean=False)",
+        (PPO_STALE_TEST,),
+        "advantages are scaled to unit variance but keep their mean (the reward whitening's setting)",
+    ),
+    Mutation(
+        "ppo_old_logps_from_the_loss_forward",
+        "trl_async/ppo.py",
+        'old_logps, advantages = inputs["old_per_token_logps"], inputs["advantages"]',
+        'old_logps, advantages = per_token_logps.detach(), inputs["advantages"]',
+        (PPO_STALE_TEST,),
+        "π_old is taken from the loss's own forward: the ratio is 1 and PPO's clip never acts on a reused batch",
     ),
     # --------------------------------------------------------------------------------------- speed, same numbers
     Mutation(
