@@ -40,6 +40,10 @@ PPO_STALE_TEST = (
     "tests/test_ppo_trainer.py::test_stale_batch_reused_across_steps_gives_ppo_targets_and_loss_computed_independently"
 )
 
+M2PO_GLOBAL_TRAINER_TEST = (
+    "tests/test_m2po_trainer.py::test_global_scope_in_a_two_process_training_step_masks_as_algorithm_1_over_both_ranks"
+)
+
 MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness guarantee
     Mutation(
@@ -193,6 +197,30 @@ MUTATIONS = [
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
         "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
+    ),
+    Mutation(
+        "m2po_global_selection_not_applied",
+        "trl_async/grpo.py",
+        "rule=args.m2po_rule, selection=selection, **floors,",
+        "rule=args.m2po_rule, selection=None, **floors,",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "m2po_scope='global' selects over both ranks but the loss masks each rank's micro-batch on its own",
+    ),
+    Mutation(
+        "m2po_global_selection_without_the_other_ranks",
+        "trl_async/losses.py",
+        "world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1",
+        "world = 1",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "the global selection sees only this rank's tokens (no gather): each rank's mask is a per-rank one",
+    ),
+    Mutation(
+        "m2po_global_keep_read_at_rank0s_offset",
+        "trl_async/losses.py",
+        "offset, n_sent = sum(counts[:rank]), counts[rank]",
+        "offset, n_sent = 0, counts[rank]",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "every rank reads its kept tokens from the start of the gathered order: rank 1 gets rank 0's decisions",
     ),
     # --------------------------------------------------------------------------------------- PPO
     Mutation(

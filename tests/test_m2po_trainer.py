@@ -1,6 +1,10 @@
 """loss_type="m2po" inside AsyncGRPOTrainer, on the bundled tiny model."""
 
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,3 +170,91 @@ def test_m2po_rejects_features_it_does_not_implement(tmp_path, tokenizer, datase
 def test_m2po_config_validation_names_the_field(tmp_path, overrides, field):
     with pytest.raises(ValueError, match=field):
         AsyncGRPOConfig(output_dir=str(tmp_path), loss_type="m2po", bf16=False, report_to="none", **overrides)
+
+
+# ------------------------------------------------------------------------------------------- global scope, 2 ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+GLOBAL_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "m2po_global_trainer.py")
+
+
+def _algorithm_1_keep(deltas: list[float], advantages: list[float], valid: list[bool], tau: float) -> list[bool]:
+    """Algorithm 1 of the paper, one token at a time, on a flat list of tokens: among the trust-region tokens (valid,
+    the ratio moving with the advantage) drop the one with the largest δ² (the lower index first on ties) while the
+    mean δ² over the trust-region tokens left exceeds τ. Every other valid token is kept."""
+    candidates = [
+        (d * d, i) for i, (d, a, v) in enumerate(zip(deltas, advantages, valid, strict=True))
+        if v and ((a > 0 and d > 0) or (a < 0 and d < 0))
+    ]  # fmt: skip
+    remaining = sorted(candidates, key=lambda c: (-c[0], c[1]))
+    dropped = set()
+    while remaining and sum(c[0] for c in remaining) / len(remaining) > tau:
+        dropped.add(remaining.pop(0)[1])
+    return [v and i not in dropped for i, v in enumerate(valid)]
+
+
+def _flat(step: dict, key: str) -> list:
+    return step[key].reshape(-1).tolist()
+
+
+@pytest.mark.slow
+def test_global_scope_in_a_two_process_training_step_masks_as_algorithm_1_over_both_ranks(tmp_path):
+    """m2po_scope="global" in real training steps on two ranks (`accelerate launch`, gloo): at every step, the mask the
+    trainer applied on each rank is Algorithm 1 over the tokens of BOTH ranks (rank 0's first, each row-major), and
+    the loss each rank computed is M2PO's objective under that mask. δ is the trainer's, checked against a plain
+    forward. The settings make it matter: stale steps mask some tokens but not all, and selecting per rank would have
+    given another mask."""
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    steps, threshold = 4, 0.02
+    proc = subprocess.run(
+        [*launcher, GLOBAL_SCRIPT, str(tmp_path), str(steps), "2e-3", str(threshold)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{k}.pt", weights_only=False) for k in range(2)]
+    assert [r["process_index"] for r in ranks] == [0, 1] and all(r["backend"] == "gloo" for r in ranks)
+    assert [s["version"] for s in ranks[0]["steps"]] == [s["version"] for s in ranks[1]["steps"]] == list(range(steps))
+    masked_steps = differs_from_per_rank = 0
+    for parts in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        for part in parts:
+            assert part["rule"] == "paper" and part["threshold"] == threshold
+            valid = part["completion_mask"]
+            assert torch.equal(part["mask"], valid)
+            # The δ the selection was given is log π_θ - log μ of the loss's forward.
+            torch.testing.assert_close(part["log_ratio"][valid], part["plain_log_ratio"][valid], atol=1e-4, rtol=0)
+            advantages = part["advantages_given"].unsqueeze(1).expand_as(valid)
+            assert torch.equal(part["advantages"], advantages)
+        deltas = [d for part in parts for d in _flat(part, "log_ratio")]
+        advantages = [a for part in parts for a in _flat(part, "advantages")]
+        valid = [v for part in parts for v in _flat(part, "completion_mask")]
+        expected = _algorithm_1_keep(deltas, advantages, valid, threshold)
+        sizes = [part["mask"].numel() for part in parts]
+        expected_parts = [expected[: sizes[0]], expected[sizes[0] :]]
+        normalizer = sum(valid) / 2  # TRL dapo's: the valid tokens of both ranks, per process
+        for part, keep in zip(parts, expected_parts, strict=True):
+            assert _flat(part, "keep") == keep, part["version"]
+            # The loss applied that mask: -(1/N) Σ_kept exp(δ) A.
+            objective = sum(
+                math.exp(d) * a
+                for d, a, k in zip(_flat(part, "log_ratio"), _flat(part, "advantages"), keep, strict=True)
+                if k
+            )
+            assert part["loss"] == pytest.approx(-objective / normalizer, rel=1e-4, abs=1e-6), part["version"]
+            per_rank = _algorithm_1_keep(
+                _flat(part, "log_ratio"), _flat(part, "advantages"), _flat(part, "completion_mask"), threshold
+            )
+            differs_from_per_rank += per_rank != keep
+        kept, total = sum(expected), sum(valid)
+        masked_steps += 0 < kept < total
+    # The stale steps (1 and 3: generated by the previous version) masked some tokens but not all.
+    assert masked_steps == 2, "the selection was not exercised on both stale steps"
+    assert differs_from_per_rank >= 1, "per-rank selection would have given the same masks: the scope was not tested"
