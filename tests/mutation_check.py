@@ -44,6 +44,8 @@ M2PO_GLOBAL_TRAINER_TEST = (
     "tests/test_m2po_trainer.py::test_global_scope_in_a_two_process_training_step_masks_as_algorithm_1_over_both_ranks"
 )
 
+RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
+
 MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness guarantee
     Mutation(
@@ -96,6 +98,23 @@ MUTATIONS = [
         "staleness = local",
         ("tests/test_queue.py",),
         "ranks evict different items, so the batches they train on together no longer belong together",
+    ),
+    # --------------------------------------------------------------------------------------- resume
+    Mutation(
+        "stream_position_saved_without_the_resumed_offset",
+        "trl_async/rollout/client.py",
+        '"stream_position": self._stream_offset + self._next_index,',
+        '"stream_position": self._next_index,',
+        (RESUME_CHAIN_TEST,),
+        "a resumed run saves the batches it consumed itself, not its stream position: resuming it again replays batches",
+    ),
+    Mutation(
+        "resume_restarts_the_prompt_stream",
+        "trl_async/rollout/client.py",
+        'spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))',
+        "spec = dataclasses.replace(spec, stream_offset=0)",
+        (RESUME_CHAIN_TEST,),
+        "a resumed run generates from the first batch of the prompt stream again",
     ),
     # --------------------------------------------------------------------------------------- weights
     Mutation(
