@@ -45,7 +45,9 @@ def test_qwen_config_parses_to_the_real_setup():
 
 
 def test_qwen_config_memory_estimate_matches_the_architecture():
-    """The numbers the config's memory comment rests on, re-derived from Qwen2.5-0.5B's published dimensions."""
+    """The numbers the config's memory comment rests on, re-derived from Qwen2.5-0.5B's published dimensions and the
+    config's own batch settings (the comment's one assumption: prompts of at most 320 tokens)."""
+    import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -57,12 +59,25 @@ def test_qwen_config_memory_estimate_matches_the_architecture():
     lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=sorted(QWEN_PROJECTIONS)))
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     head_dim = config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K and V, bf16
     text = open(QWEN_CONFIG).read()
     assert f"{total:,} parameters" in text and f"{trainable:,} parameters" in text
     assert f"{kv_bytes_per_token:,} B" in text
-    step_logits = 64 * 256 * config.vocab_size * 4 / 1e9
-    assert f"{step_logits:.2f} GB" in text
+    settings = yaml.safe_load(text)
+    rows, completion = settings["per_device_train_batch_size"], settings["max_completion_length"]
+    generation_rows = rows * settings["steps_per_generation"]
+    sequence = 320 + completion
+    assert f"+ {completion} completion = {sequence}." in text
+    figures = {
+        "generator's KV cache": generation_rows * sequence * kv_bytes_per_token,
+        "generator's logits of one decoding step, fp32": generation_rows * config.vocab_size * 4,
+        "trainer's gradient checkpoints, bf16": (config.num_hidden_layers + 1) * rows * sequence * config.hidden_size
+        * 2,
+        "trainer's completion logits, bf16": rows * (completion + 1) * config.vocab_size * 2,
+        "TRL's per-row fp32 log-softmax": (completion + 1) * config.vocab_size * 4,
+    }  # fmt: skip
+    for name, size in figures.items():
+        assert f"= {size / 1e9:.2f} GB" in text, name
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
