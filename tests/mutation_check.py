@@ -44,6 +44,9 @@ M2PO_GLOBAL_TRAINER_TEST = (
     "tests/test_m2po_trainer.py::test_global_scope_in_a_two_process_training_step_masks_as_algorithm_1_over_both_ranks"
 )
 
+M2PO_TRAINING_VALUES_TEST = (
+    "tests/test_m2po_trainer.py::test_m2po_training_loss_and_metrics_equal_the_rule_recomputed_from_the_weights"
+)
 RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
 
 MUTATIONS = [
@@ -216,6 +219,22 @@ MUTATIONS = [
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
         "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
+    ),
+    Mutation(
+        "m2po_against_the_policy_at_batch_time",
+        "trl_async/grpo.py",
+        'behaviour = inputs.get("sampling_per_token_logps")',
+        "behaviour = None",
+        (M2PO_TRAINING_VALUES_TEST,),
+        "M2PO measures δ against the policy of the loss's own forward, not μ: stale rows are never masked",
+    ),
+    Mutation(
+        "m2po_m2_after_over_every_valid_token",
+        "trl_async/losses.py",
+        "d2_kept / kept if kept else 0.0,",
+        "d2_kept / valid if valid else 0.0,",
+        (M2PO_TRAINING_VALUES_TEST,),
+        "the logged m2po/m2_after divides the kept tokens' δ² by every valid token",
     ),
     Mutation(
         "m2po_global_selection_not_applied",

@@ -1,5 +1,6 @@
 """loss_type="m2po" inside AsyncGRPOTrainer, on the bundled tiny model."""
 
+import copy
 import math
 import os
 import socket
@@ -9,7 +10,8 @@ import sys
 import pytest
 import torch
 from test_importance_trainer import make_batch
-from trainer_utils import length_reward, load_model, make_args
+from test_losses_authors_code import authors_clip_bounds, authors_m2po_loss
+from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -44,13 +46,8 @@ def train(tmp_path, tokenizer, dataset, **overrides):
     return [h for h in trainer.state.log_history if "loss" in h and "reward" in h]
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(m2po_rule="paper"), dict(m2po_rule="authors_code"), dict(m2po_variant="reference_page")],
-    ids=["paper", "authors_code", "reference_page"],
-)
-def test_m2po_trains_with_finite_loss_and_metrics(tmp_path, tokenizer, dataset, settings):
-    logged = train(tmp_path, tokenizer, dataset, trainer_generates_while_starting=False, **settings)
+def test_m2po_reference_page_variant_trains_with_finite_loss_and_metrics(tmp_path, tokenizer, dataset):
+    logged = train(tmp_path, tokenizer, dataset, trainer_generates_while_starting=False, m2po_variant="reference_page")
     assert len(logged) == 4
     for entry in logged:
         assert math.isfinite(entry["loss"])
@@ -59,9 +56,96 @@ def test_m2po_trains_with_finite_loss_and_metrics(tmp_path, tokenizer, dataset, 
         assert entry["m2po/all_masked_batches"] == int(entry["m2po/all_masked_batches"])  # a count
     # Stale rows (staleness 1 after the first step, lr 1e-3) really diverge from the current policy.
     assert max(entry["m2po/m2_before"] for entry in logged[1:]) > 0
-    if settings.get("m2po_rule") == "paper":
-        # Algorithm 1 bounds the mean δ² of the trust-region tokens that remain.
-        assert all(entry["m2po/m2_after_trust_region"] <= 0.04 + 1e-6 for entry in logged)
+
+
+class _M2PORecordingTrainer(WeightTracingTrainer):
+    """Also records, for every training loss, the version, the batch dict and the loss the trainer returned."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.m2po_calls: list[tuple[int, dict, float]] = []
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if self.model.training:
+            given = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            self.m2po_calls.append((self.state.global_step, given, loss.item()))
+        return loss
+
+
+def digit_reward(completions, **kwargs):
+    """A dense text reward: the share of digits among the characters, different in most groups."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def _plain_log_ratio(model, weights, inputs) -> torch.Tensor:
+    """δ = log π_θ - log μ, with log π_θ from the ordinary forward (full logits) of the weights of that version."""
+    probe = copy.deepcopy(model)
+    probe.load_state_dict(weights)
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    with torch.no_grad():
+        logits = probe(
+            input_ids=torch.cat([prompt_ids, completion_ids], 1),
+            attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+        ).logits[:, prompt_ids.size(1) - 1 : -1]
+    logps = torch.log_softmax(logits.double(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logps - inputs["sampling_per_token_logps"].double()
+
+
+@pytest.mark.parametrize("rule", ["paper", "authors_code"])
+def test_m2po_training_loss_and_metrics_equal_the_rule_recomputed_from_the_weights(tmp_path, dataset, rule):
+    """Four steps of real training with M2PO. For every step, from the weights of that version (plain forward) and the
+    generator's μ: the logged loss is the rule's (Algorithm 1 written out token by token; the transcription of the
+    authors' code for "authors_code"), and the logged m2po/* figures are its masked fraction and mean δ² before and
+    after masking. Weights are published every second step, so steps 1 and 3 train on rows of the previous version."""
+    args = make_args(tmp_path, loss_type="m2po", m2po_rule=rule, max_staleness=1, weight_sync_steps=2,
+                     trainer_generates_while_starting=False, max_steps=4, learning_rate=1e-3,
+                     per_device_train_batch_size=16, num_generations=4)  # fmt: skip
+    trainer = _M2PORecordingTrainer(
+        model=load_model(), reward_funcs=digit_reward, args=args, train_dataset=dataset,
+        processing_class=load_tokenizer(),
+    )  # fmt: skip
+    probe = load_model()
+    trainer.train()
+    assert trainer.true_staleness == [0, 1, 0, 1]  # measured from μ, not from the engine's tags
+    logged = {h["step"]: h for h in trainer.state.log_history if "m2po/masked_fraction" in h}
+    assert [version for version, _, _ in trainer.m2po_calls] == [0, 1, 2, 3] and sorted(logged) == [1, 2, 3, 4]
+    acted = 0
+    for version, inputs, loss in trainer.m2po_calls:
+        delta = _plain_log_ratio(probe, trainer.weights_by_version[version], inputs)
+        mask = inputs["completion_mask"].bool()
+        advantages = inputs["advantages"].double()
+        valid = int(mask.sum())
+        if rule == "paper":
+            expected_loss = _algorithm_1_loss(delta, torch.zeros_like(delta), advantages, mask, 0.04, valid).item()
+            keep = torch.tensor(
+                _algorithm_1_keep(
+                    delta.reshape(-1).tolist(),
+                    advantages.repeat_interleave(mask.size(1)).tolist(),
+                    mask.reshape(-1).tolist(),
+                    0.04,
+                )  # fmt: skip
+            ).view_as(mask)
+        else:
+            rows = [[float(x) for x in row] for row in delta]
+            zeros = [[0.0] * mask.size(1) for _ in rows]
+            masks, adv_rows = mask.tolist(), advantages.tolist()
+            expected_loss = authors_m2po_loss(zeros, rows, adv_rows, masks, 0.04)[0]
+            low, high = authors_clip_bounds(zeros, rows, adv_rows, masks, 0.04)
+            ratio = delta.exp()
+            a = advantages.unsqueeze(1)
+            keep = mask & ~(((a > 0) & (ratio > high)) | ((a < 0) & (ratio < low)))
+        entry = logged[version + 1]
+        assert loss == pytest.approx(expected_loss, rel=1e-4, abs=1e-6), version
+        assert entry["loss"] == pytest.approx(loss, rel=1e-6), version  # one micro-batch per step and log
+        d2 = delta.square()
+        assert entry["m2po/masked_fraction"] == pytest.approx(1 - int(keep.sum()) / valid, abs=1e-9), version
+        assert entry["m2po/m2_before"] == pytest.approx(d2[mask].mean().item(), rel=1e-3, abs=1e-9), version
+        assert entry["m2po/m2_after"] == pytest.approx(d2[keep].mean().item(), rel=1e-3, abs=1e-9), version
+        assert entry["m2po/all_masked_batches"] == 0
+        acted += 0 < int(keep.sum()) < valid
+    assert acted >= 1, "the rule masked nothing in any step: the test would not see it act"
 
 
 def test_m2po_on_synchronous_path_without_behaviour_logps_keeps_everything(tmp_path, tokenizer, dataset):

@@ -536,6 +536,11 @@ def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp
     ids=["synchronous", "m2po-async"],
 )
 def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokenizer, overrides):
+    """Two training steps, and the values PPO's definitions fix for the logged metrics: the new value head is zero,
+    so at step 1 V = 0 (value mean 0, explained variance 1 - Var[R]/Var[R] = 0) and π_old is the reference (KL 0);
+    every batch is trained on within one optimizer step at the weights that scored it, so ρ = 1 and V = V_old (clip
+    fractions and approximate KL 0), and with ρ = 1 PPO's policy loss is minus the mean of the whitened advantages, 0.
+    At step 2 the policy and the critic have moved: KL and the value mean are no longer 0."""
     trainer = AsyncPPOTrainer(
         model=load_model(), reward_funcs=digit_reward,
         args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, per_device_eval_batch_size=8, **overrides),
@@ -547,15 +552,33 @@ def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokeni
     trainer.train()
     for key in PPO_METRICS:
         values = logged(trainer, key)
-        assert len(values) == 2 and all(math.isfinite(v) for v in values if key != "ppo/explained_variance"), key
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), key
     assert any(not torch.equal(p, policy_before[n]) for n, p in trainer.model.named_parameters())
     assert any(not torch.equal(p, critic_before[n]) for n, p in trainer.critic_model.named_parameters())
+    first, second = (h for h in trainer.state.log_history if "ppo/value_mean" in h)
+    assert first["ppo/value_mean"] == 0.0 and first["ppo/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert first["objective/kl"] == pytest.approx(0.0, abs=1e-6) and first["ppo/returns_mean"] != 0.0
+    assert abs(second["objective/kl"]) > 1e-5 and abs(second["ppo/value_mean"]) > 1e-5  # (k1 may be negative)
+    for entry in (first, second):
+        assert entry["ppo/clipfrac"] == 0.0 and entry["ppo/value_clipfrac"] == 0.0
+        assert entry["ppo/approx_kl"] == pytest.approx(0.0, abs=1e-6)
     if overrides.get("async_generation") is False:
         assert not trainer._rollout.started and not logged(trainer, "async/staleness_mean")
+        for entry in (first, second):
+            assert entry["ppo/policy_loss"] == pytest.approx(0.0, abs=1e-6)
         evaluation = trainer.evaluate()  # TRL's evaluation loop: synchronous generation, the same PPO loss
-        assert math.isfinite(evaluation["eval_loss"]) and math.isfinite(evaluation["eval_ppo/value_loss"])
+        # The same identities on the evaluation batch: ρ = 1, so the loss is vf_coef times the value loss alone.
+        assert evaluation["eval_ppo/clipfrac"] == 0.0 and evaluation["eval_ppo/policy_loss"] == pytest.approx(
+            0.0, abs=1e-6
+        )
+        assert evaluation["eval_ppo/value_loss"] > 0
+        assert evaluation["eval_loss"] == pytest.approx(0.1 * evaluation["eval_ppo/value_loss"], rel=1e-4, abs=1e-7)
     else:
-        assert logged(trainer, "m2po/masked_fraction") and logged(trainer, "async/staleness_mean")
+        # Step 1's batch was sampled by the weights that train on it (μ = π_θ up to the generator's numerics): M2PO's
+        # ratio is 1, nothing is masked, and its loss is minus the mean whitened advantage, 0.
+        assert first["m2po/masked_fraction"] == 0.0 and first["m2po/m2_before"] < 1e-6
+        assert first["ppo/policy_loss"] == pytest.approx(0.0, abs=1e-3)
+        assert logged(trainer, "async/staleness_mean")
 
 
 # ------------------------------------------------------------------------------------------- two processes
