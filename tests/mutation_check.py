@@ -309,6 +309,26 @@ MUTATIONS = [
         (PPO_STALE_TEST,),
         "π_old is taken from the loss's own forward: the ratio is 1 and PPO's clip never acts on a reused batch",
     ),
+    Mutation(
+        "ppo_value_head_left_random",
+        "trl_async/ppo.py",
+        "                nn.init.zeros_(value_model.score.weight)",
+        "                pass",
+        (
+            "tests/test_ppo_trainer.py::test_trains_policy_and_critic_and_logs_ppo_metrics",
+            "tests/test_recipe.py::test_ppo_config_runs_ppo_with_its_card_and_metrics",
+        ),
+        "the critic built from a causal-LM checkpoint keeps a random value head: the first advantages are its noise",
+    ),
+    # --------------------------------------------------------------------------------------- recipe
+    Mutation(
+        "recipe_eval_ignores_eval_max_new_tokens",
+        "recipes/qwen_math.py",
+        "max_new_tokens=recipe.eval_max_new_tokens or training_args.max_completion_length,",
+        "max_new_tokens=training_args.max_completion_length,",
+        ("tests/test_recipe.py::test_synchronous_baseline_runs_from_the_same_config",),
+        "the held-out evaluation generates max_completion_length tokens whatever eval_max_new_tokens says",
+    ),
     # --------------------------------------------------------------------------------------- speed, same numbers
     Mutation(
         "shared_prompt_segments_see_each_other",
@@ -389,6 +409,14 @@ MUTATIONS = [
         "tensor.register_hook(lambda grad: None)",
         ("tests/test_cores.py::test_the_trainer_computes_on_every_core_exactly_while_the_generator_waits",),
         "the backward runs on the thread count the forward left, whatever the generator does meanwhile",
+    ),
+    Mutation(
+        "lent_share_counts_the_whole_run",
+        "trl_async/rollout/client.py",
+        "lent_calls = self._lending.lent_calls - self._lending_counts[1]",
+        "lent_calls = self._lending.lent_calls",
+        ("tests/test_cores.py::test_async_training_lends_cores_and_restores_the_thread_count",),
+        "the logged share of layer passes on every core counts the lent passes of the whole run, not of the window",
     ),
     Mutation(
         "switch_repeats_a_batch",
