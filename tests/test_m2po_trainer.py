@@ -119,14 +119,9 @@ def test_m2po_training_loss_and_metrics_equal_the_rule_recomputed_from_the_weigh
         valid = int(mask.sum())
         if rule == "paper":
             expected_loss = _algorithm_1_loss(delta, torch.zeros_like(delta), advantages, mask, 0.04, valid).item()
-            keep = torch.tensor(
-                _algorithm_1_keep(
-                    delta.reshape(-1).tolist(),
-                    advantages.repeat_interleave(mask.size(1)).tolist(),
-                    mask.reshape(-1).tolist(),
-                    0.04,
-                )  # fmt: skip
-            ).view_as(mask)
+            per_token_advantages = advantages.repeat_interleave(mask.size(1)).tolist()
+            keep = _algorithm_1_keep(delta.reshape(-1).tolist(), per_token_advantages, mask.reshape(-1).tolist(), 0.04)
+            keep = torch.tensor(keep).view_as(mask)
         else:
             rows = [[float(x) for x in row] for row in delta]
             zeros = [[0.0] * mask.size(1) for _ in rows]
