@@ -36,6 +36,19 @@ class Mutation:
     timeout: float | None = None  # seconds; a mutant that hangs its guards past this is counted as killed
 
 
+PPO_STALE_TEST = (
+    "tests/test_ppo_trainer.py::test_stale_batch_reused_across_steps_gives_ppo_targets_and_loss_computed_independently"
+)
+
+M2PO_GLOBAL_TRAINER_TEST = (
+    "tests/test_m2po_trainer.py::test_global_scope_in_a_two_process_training_step_masks_as_algorithm_1_over_both_ranks"
+)
+
+M2PO_TRAINING_VALUES_TEST = (
+    "tests/test_m2po_trainer.py::test_m2po_training_loss_and_metrics_equal_the_rule_recomputed_from_the_weights"
+)
+RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
+
 MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness guarantee
     Mutation(
@@ -88,6 +101,23 @@ MUTATIONS = [
         "staleness = local",
         ("tests/test_queue.py",),
         "ranks evict different items, so the batches they train on together no longer belong together",
+    ),
+    # --------------------------------------------------------------------------------------- resume
+    Mutation(
+        "stream_position_saved_without_the_resumed_offset",
+        "trl_async/rollout/client.py",
+        '"stream_position": self._stream_offset + self._next_index,',
+        '"stream_position": self._next_index,',
+        (RESUME_CHAIN_TEST,),
+        "a resumed run saves the batches it consumed itself, not its stream position: resuming it again replays batches",
+    ),
+    Mutation(
+        "resume_restarts_the_prompt_stream",
+        "trl_async/rollout/client.py",
+        'spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))',
+        "spec = dataclasses.replace(spec, stream_offset=0)",
+        (RESUME_CHAIN_TEST,),
+        "a resumed run generates from the first batch of the prompt stream again",
     ),
     # --------------------------------------------------------------------------------------- weights
     Mutation(
@@ -188,6 +218,46 @@ MUTATIONS = [
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
         "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
     ),
+    Mutation(
+        "m2po_against_the_policy_at_batch_time",
+        "trl_async/grpo.py",
+        'behaviour = inputs.get("sampling_per_token_logps")',
+        "behaviour = None",
+        (M2PO_TRAINING_VALUES_TEST,),
+        "M2PO measures δ against the policy of the loss's own forward, not μ: stale rows are never masked",
+    ),
+    Mutation(
+        "m2po_m2_after_over_every_valid_token",
+        "trl_async/losses.py",
+        "d2_kept / kept if kept else 0.0,",
+        "d2_kept / valid if valid else 0.0,",
+        (M2PO_TRAINING_VALUES_TEST,),
+        "the logged m2po/m2_after divides the kept tokens' δ² by every valid token",
+    ),
+    Mutation(
+        "m2po_global_selection_not_applied",
+        "trl_async/grpo.py",
+        "rule=args.m2po_rule, selection=selection, **floors,",
+        "rule=args.m2po_rule, selection=None, **floors,",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "m2po_scope='global' selects over both ranks but the loss masks each rank's micro-batch on its own",
+    ),
+    Mutation(
+        "m2po_global_selection_without_the_other_ranks",
+        "trl_async/losses.py",
+        "world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1",
+        "world = 1",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "the global selection sees only this rank's tokens (no gather): each rank's mask is a per-rank one",
+    ),
+    Mutation(
+        "m2po_global_keep_read_at_rank0s_offset",
+        "trl_async/losses.py",
+        "offset, n_sent = sum(counts[:rank]), counts[rank]",
+        "offset, n_sent = 0, counts[rank]",
+        (M2PO_GLOBAL_TRAINER_TEST,),
+        "every rank reads its kept tokens from the start of the gathered order: rank 1 gets rank 0's decisions",
+    ),
     # --------------------------------------------------------------------------------------- PPO
     Mutation(
         "gae_lambda_dropped",
@@ -196,6 +266,66 @@ MUTATIONS = [
         "running = deltas[..., t] + gamma * running",
         ("tests/test_ppo_math.py",),
         "GAE ignores λ (Monte-Carlo advantages)",
+    ),
+    Mutation(
+        "ppo_value_clip_around_new_values",
+        "trl_async/ppo.py",
+        'critic = value_loss(values, inputs["old_values"], inputs["returns"], mask, args.cliprange_value, normalizer)',
+        'critic = value_loss(values, values, inputs["returns"], mask, args.cliprange_value, normalizer)',
+        (PPO_STALE_TEST,),
+        "the value clip is taken around the critic's values at loss time, not V_old: it never binds on a reused batch",
+    ),
+    Mutation(
+        "ppo_importance_weight_dropped",
+        "trl_async/ppo.py",
+        'return inputs["sampling_per_token_logps"] if super()._corrects_behaviour(inputs) else None',
+        "return None",
+        (PPO_STALE_TEST,),
+        "PPO trains on stale rows without the truncated importance weight π_old/μ",
+    ),
+    Mutation(
+        "ppo_importance_weight_against_current_policy",
+        "trl_async/ppo_math.py",
+        "            _zero_padding(old_logps, valid),",
+        "            _zero_padding(logps.detach(), valid),",
+        (PPO_STALE_TEST,),
+        "the importance weight is π_θ/μ (the loss's own forward) instead of π_old/μ on a batch reused across steps",
+    ),
+    Mutation(
+        "ppo_advantages_whitened_without_centring",
+        "trl_async/ppo.py",
+        "advantages = masked_whiten(advantages, mask, shift_mean=True)",
+        "advantages = masked_whiten(advantages, mask, shift_mean=False)",
+        (PPO_STALE_TEST,),
+        "advantages are scaled to unit variance but keep their mean (the reward whitening's setting)",
+    ),
+    Mutation(
+        "ppo_old_logps_from_the_loss_forward",
+        "trl_async/ppo.py",
+        'old_logps, advantages = inputs["old_per_token_logps"], inputs["advantages"]',
+        'old_logps, advantages = per_token_logps.detach(), inputs["advantages"]',
+        (PPO_STALE_TEST,),
+        "π_old is taken from the loss's own forward: the ratio is 1 and PPO's clip never acts on a reused batch",
+    ),
+    Mutation(
+        "ppo_value_head_left_random",
+        "trl_async/ppo.py",
+        "                nn.init.zeros_(value_model.score.weight)",
+        "                pass",
+        (
+            "tests/test_ppo_trainer.py::test_trains_policy_and_critic_and_logs_ppo_metrics",
+            "tests/test_recipe.py::test_ppo_config_runs_ppo_with_its_card_and_metrics",
+        ),
+        "the critic built from a causal-LM checkpoint keeps a random value head: the first advantages are its noise",
+    ),
+    # --------------------------------------------------------------------------------------- recipe
+    Mutation(
+        "recipe_eval_ignores_eval_max_new_tokens",
+        "recipes/qwen_math.py",
+        "max_new_tokens=recipe.eval_max_new_tokens or training_args.max_completion_length,",
+        "max_new_tokens=training_args.max_completion_length,",
+        ("tests/test_recipe.py::test_synchronous_baseline_runs_from_the_same_config",),
+        "the held-out evaluation generates max_completion_length tokens whatever eval_max_new_tokens says",
     ),
     # --------------------------------------------------------------------------------------- speed, same numbers
     Mutation(
@@ -310,6 +440,14 @@ MUTATIONS = [
         'ages = self.state.global_step - inputs["rollout_versions"] - 1',
         ("tests/test_offpolicy.py::test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_staleness",),
         "row ages counted one version short of the weights that generated the rows",
+    ),
+    Mutation(
+        "lent_share_counts_the_whole_run",
+        "trl_async/rollout/client.py",
+        "lent_calls = self._lending.lent_calls - self._lending_counts[1]",
+        "lent_calls = self._lending.lent_calls",
+        ("tests/test_cores.py::test_async_training_lends_cores_and_restores_the_thread_count",),
+        "the logged share of layer passes on every core counts the lent passes of the whole run, not of the window",
     ),
     Mutation(
         "switch_repeats_a_batch",

@@ -128,24 +128,67 @@ def test_placement_lends_only_where_the_cores_are_split():
     assert not choose_placement("cuda:1", cpu, None, 2, None, lend_idle_cores=True).lend_cores
 
 
+class _ThreadCountObserver(AsyncGRPOTrainer):
+    """Reads torch's thread count where the trainer's layers run: before the model's forward and each decoder layer's
+    forward and backward, right after core lending's own hooks (attached when the rollout starts; hooks run in the
+    order they were registered). Records (optimizer step, threads) per pass."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passes: list[tuple[int, int]] = []
+        self._observing = False
+
+    def _record(self, *args):
+        self.passes.append((self.state.global_step, torch.get_num_threads()))
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)  # the rollout (and lending) starts in the first call
+        if not self._observing:
+            self._observing = True
+            model = self._unwrap(self.model)
+
+            def after_layer(module, args, output):
+                tensor = output[0] if isinstance(output, (tuple, list)) else output
+                if tensor.requires_grad:
+                    tensor.register_hook(self._record)
+
+            model.register_forward_pre_hook(self._record)
+            for layer in model.model.layers:
+                layer.register_forward_pre_hook(self._record)
+                layer.register_forward_hook(after_layer)
+        return output
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
 def test_async_training_lends_cores_and_restores_the_thread_count(tmp_path, monkeypatch):
-    """No thread settings (as a user runs it): the trainer and its generation process lend each other the cores, the
-    share of the trainer's layer passes that ran on every core is logged, and `train()` leaves torch's thread count
-    as it found it."""
+    """No thread settings (as a user runs it): the trainer and its generation process lend each other the cores. The
+    logged share of the trainer's layer passes that ran on every core equals, step by step, the share of passes this
+    test saw run on every core (torch's own thread count, read at each pass); the trainer otherwise ran on its share
+    of the split. `train()` leaves torch's thread count as it found it."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    trainer_share = cores - max(1, cores // 2)  # the generator gets half the cores by default, the trainer the rest
     dataset = make_arithmetic_dataset(num_train=256, num_test=4, seed=0)["train"]
-    args = make_args(tmp_path, max_steps=12, trainer_generates_while_starting=False)
-    trainer = AsyncGRPOTrainer(
+    # max_staleness=0: the generator may make batch n+1 only with the weights the step on batch n publishes, so it
+    # waits at the gate through every training step (it sets its flag as it blocks, just after queueing batch n).
+    args = make_args(tmp_path, max_steps=12, max_staleness=0, trainer_generates_while_starting=False)
+    trainer = _ThreadCountObserver(
         model=tiny_model_path(), reward_funcs=answer_reward, args=args, train_dataset=dataset,
         processing_class=load_tokenizer(),
     )  # fmt: skip
     threads_before = torch.get_num_threads()
     trainer.train()
-    fractions = [
-        h["async/trainer_lent_cores_fraction"] for h in trainer.state.log_history if "async/staleness_mean" in h
-    ]
-    assert len(fractions) == 12
-    assert all(0.0 <= f <= 1.0 for f in fractions)
+    logged = {
+        h["step"]: h["async/trainer_lent_cores_fraction"]
+        for h in trainer.state.log_history
+        if "async/staleness_mean" in h
+    }
+    assert sorted(logged) == list(range(1, 13))
+    assert {threads for _, threads in trainer.passes} <= {trainer_share, cores}
+    for step, fraction in logged.items():
+        seen = [threads for version, threads in trainer.passes if version == step - 1]
+        assert seen, step
+        assert fraction == pytest.approx(sum(t == cores for t in seen) / len(seen), abs=1e-12), step
+    assert any(threads == cores for _, threads in trainer.passes), "the generator never waited: nothing was lent"
     assert torch.get_num_threads() == threads_before

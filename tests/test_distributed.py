@@ -36,7 +36,9 @@ def check_ranks(ranks):
     assert ranks[0]["trainer_pid"] != ranks[1]["trainer_pid"]
     # The same number of rows per rank per step, for every step.
     assert ranks[0]["rows_per_step"] == ranks[1]["rows_per_step"] == [8] * 4
-    assert all(r["max_staleness_seen"] <= 1 for r in ranks)
+    # Staleness from the weights that generated each batch (their μ), and the engine's tags name those weights.
+    assert all(len(r["true_staleness"]) == 4 and max(r["true_staleness"]) <= 1 for r in ranks)
+    assert all(all(r["tag_is_true"]) for r in ranks)
     # DDP kept the replicas identical.
     assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=1e-9)
     assert ranks[0]["param_checksum"] != pytest.approx(ranks[0]["initial_param_checksum"], rel=1e-9)

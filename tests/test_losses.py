@@ -13,6 +13,7 @@ import math
 import random
 import struct
 import sys
+import zlib
 
 import pytest
 import torch
@@ -211,7 +212,7 @@ def test_mask_matches_brute_force_random(rule, kind):
 @pytest.mark.parametrize("rule", M2PO_RULES)
 def test_every_advantage_pattern_matches_brute_force(rule, adv_kind):
     # All-positive and all-negative advantages, no trust-region token at all (A = 0), mixed per row / per token.
-    rng = random.Random(hash((rule, adv_kind)) % 10_000)
+    rng = random.Random(zlib.crc32(f"{rule}/{adv_kind}".encode()))  # a seed per case, the same in every run
     masked = 0
     for _ in range(40):
         B, T = rng.randint(1, 4), rng.randint(1, 40)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def _case(rng: random.Random):
 
 @pytest.mark.parametrize("floors", [(None, None), (0.3, 0.5), (0.2, None), (None, 0.1)])
 def test_authors_code_matches_transcription(floors):
-    rng = random.Random(hash(floors) % 1000)
+    rng = random.Random(zlib.crc32(repr(floors).encode()))  # a seed per case, the same in every run
     checked = skipped = clipped_cases = 0
     for _ in range(400):
         B, T, grid, lengths, adv = _case(rng)

