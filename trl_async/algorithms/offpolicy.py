@@ -20,8 +20,9 @@ Logged over each logging window, token-weighted over every rank (sums are accumu
   (tokens whose weight was clamped: TRL's truncate modes, M2PO `authors_code`'s clip), and
   `offpolicy/sequence_masked_fraction` (rows masked whole: TRL's `sequence_mask`).
 * `offpolicy/row_age_min`, `_mean`, `_max`: the age of each row when it enters a loss (the trainer's version minus the
-  version that generated it), counted per loss entry; trackers that take histograms (TensorBoard, W&B, Trackio) also
-  get the window's histogram as `offpolicy/row_age`.
+  version of its oldest token), counted per loss entry; trackers that take histograms (TensorBoard, W&B, Trackio) also
+  get the window's histogram as `offpolicy/row_age`. With in-flight weight updates, `offpolicy/token_age_mean` is
+  the mean age of the completion tokens themselves (later tokens come from newer weights).
 
 Pure tensor functions (no model, no trainer); `tests/test_offpolicy.py` checks them against loops written by hand.
 """
@@ -112,6 +113,7 @@ class OffPolicyWindow:
         self.sums: Tensor | None = None
         self.ess: list[float] = []
         self.age_counts: dict[int, float] = {}
+        self.token_age_sum = self.token_count = 0.0  # per completion token (in-flight updates make them differ)
 
     def add_batch(self, sums: Tensor) -> None:
         sums = sums.detach().to("cpu", torch.float64)
@@ -125,6 +127,10 @@ class OffPolicyWindow:
         for age, count in enumerate(counts.detach().to("cpu").tolist()):
             if count:
                 self.age_counts[age] = self.age_counts.get(age, 0.0) + count
+
+    def add_token_ages(self, age_sum: float, count: float) -> None:
+        self.token_age_sum += age_sum
+        self.token_count += count
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -146,6 +152,8 @@ class OffPolicyWindow:
             out["offpolicy/row_age_min"] = float(min(self.age_counts))
             out["offpolicy/row_age_mean"] = sum(a * c for a, c in self.age_counts.items()) / total
             out["offpolicy/row_age_max"] = float(max(self.age_counts))
+        if self.token_count:
+            out["offpolicy/token_age_mean"] = self.token_age_sum / self.token_count
         return out
 
 

@@ -106,6 +106,17 @@ class AsyncGRPOConfig(GRPOConfig):
             "generating on the sharded model would gather it at every decoding step."
         },
     )
+    inflight_weight_updates: bool = field(
+        default=False,
+        metadata={
+            "help": "Load newer published weights between decoding steps, as PipelineRL does, instead of only between "
+            "generation batches (hf backend). Every completion token records the version that sampled it, and its μ "
+            "is that distribution's log-prob, so the importance correction and M2PO stay exact per token. A batch's "
+            "staleness is its oldest token's: the generation process prepares (tokenizes, prefills) the next batch "
+            "as soon as the queue has room and waits for recent enough weights only before its first token. The key/"
+            "value cache of earlier tokens is kept as older weights computed it (docs/staleness.md)."
+        },
+    )
     fixed_staleness: int | None = field(
         default=None,
         metadata={
@@ -275,6 +286,19 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)
         _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")
+    _check(
+        isinstance(args.inflight_weight_updates, bool),
+        f"inflight_weight_updates must be True or False, got {args.inflight_weight_updates!r}.",
+    )
+    if args.inflight_weight_updates:
+        _check(
+            args.generation_backend == "hf",
+            "inflight_weight_updates=True is implemented for generation_backend='hf' only; set it to False for vLLM.",
+        )
+        _check(
+            fixed is None,
+            "inflight_weight_updates=True loads the newest weights while fixed_staleness holds them back; unset one.",
+        )
     if fixed is not None:
         _validate_fixed_staleness(args)
     _validate_m2po_fields(args)

@@ -85,6 +85,7 @@ class GeneratorSpec:
     decode: bool  # decode even when no text reward needs it (completion logging, reward models)
     parent_pid: int
     stream_offset: int = 0  # position of queue item 0 in the prompt stream (a resumed run starts later)
+    inflight_weight_updates: bool = False  # load newer weights between decoding steps (`_produce_inflight`)
     columns: list[str] | None = None  # dataset columns to keep (None: all)
     backend_options: dict = dataclasses.field(default_factory=dict)
 
@@ -159,8 +160,9 @@ class RolloutProducer:
             if names:
                 prepare_rewards([f for f in self.spec.reward_funcs if f is not None], {c: dataset[c] for c in names})
 
-    def produce(self, queue_index: int) -> RolloutPayload:
-        """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`)."""
+    def produce(self, queue_index: int, ready=None) -> RolloutPayload:
+        """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`). `ready()`, if
+        given, runs once the batch is prepared, before its first token is sampled (`GenerationBackend.generate`)."""
         from trl_async.rewards import prepare_rewards, score_completions
 
         spec = self.spec
@@ -175,8 +177,9 @@ class RolloutProducer:
         # time (a no-op for rows already prepared).
         prepare_rewards(callables, columns)
         prompt_ids = [list(p) for p in self._tokenize(prompts)]
-        generated: GenerationOutput = self.generate(
-            prompt_ids, batch_seed(spec.seed, spec.process_index, stream_index)
+        seed = batch_seed(spec.seed, spec.process_index, stream_index)
+        generated: GenerationOutput = (
+            self.generate(prompt_ids, seed) if ready is None else self.generate(prompt_ids, seed, ready)
         )
         completion_ids, logprobs = generated.to_lists()
         t1 = time.perf_counter()
@@ -216,6 +219,7 @@ class RolloutProducer:
             logged_metrics=dict(logged_metrics),
             generate_s=t1 - t0,
             reward_s=t2 - t1,
+            token_versions=generated.token_version_lists(),
         )
 
 
@@ -319,6 +323,45 @@ def _trainer_state_reader(path: str):
     return read
 
 
+def _wait_for_weights(trainable_store, min_version: int, beat_or_stop, on_idle) -> None:
+    """Wait until weights of `min_version` or newer are published, lending this process's cores meanwhile."""
+    if trainable_store.version >= min_version:
+        return
+    if on_idle is not None:
+        on_idle(True)
+    try:
+        trainable_store.wait_for_version(min_version, on_wait=beat_or_stop)
+    finally:
+        if on_idle is not None:
+            on_idle(False)
+
+
+def _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
+    """One batch, gated before it starts: weights recent enough for the queue's bound, loaded, then the whole batch
+    sampled with them (its version)."""
+    index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle)
+    _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)
+    version = backend.update_weights()
+    rollout_queue.mark_loaded(index)
+    payload = producer.produce(index)
+    rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
+
+
+def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
+    """One batch with in-flight weight updates: started as soon as the queue has room (prompts tokenized and
+    prefilled), gated before its first token is sampled (the oldest token defines the batch's staleness), and
+    decoded on the newest published weights, which the backend loads between decoding steps."""
+    index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle, wait_for_weights=False)
+
+    def ready():
+        _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)
+        backend.update_weights()
+
+    payload = producer.produce(index, ready=ready)
+    version = payload.oldest_version
+    rollout_queue.put(index, backend.version if version is None else version, payload, num_rows=payload.num_rows)
+
+
 def _generator_main(
     spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control, lending: CoreLending | None
 ) -> None:
@@ -360,19 +403,10 @@ def _generator_main(
         control.beat()
         control.set_ready()
         while not control.stop_requested:
-            index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle)
-            if trainable_store.version < min_version:
-                if on_idle is not None:
-                    on_idle(True)
-                try:
-                    trainable_store.wait_for_version(min_version, on_wait=beat_or_stop)
-                finally:
-                    if on_idle is not None:
-                        on_idle(False)
-            version = backend.update_weights()
-            rollout_queue.mark_loaded(index)
-            payload = producer.produce(index)
-            rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
+            if spec.inflight_weight_updates:
+                _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
+            else:
+                _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
             control.beat()
     except QueueClosed:
         pass

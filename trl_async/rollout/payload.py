@@ -27,6 +27,15 @@ class RolloutPayload:
     logged_metrics: dict[str, list[float]]  # reward functions' `log_metric` calls, by name
     generate_s: float  # seconds spent tokenizing and sampling
     reward_s: float  # seconds spent scoring (and decoding)
+    # Per completion token, the weights version that sampled it (in-flight weight updates change it mid-sequence);
+    # the batch's oldest token defines its version and staleness. None where the backend does not record it.
+    token_versions: list[list[int]] | None = None
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest sampled token, or None without per-token versions (or tokens)."""
+        firsts = [versions[0] for versions in self.token_versions or [] if versions]
+        return min(firsts) if firsts else None
 
     @property
     def num_rows(self) -> int:

@@ -208,12 +208,15 @@ class StalenessBoundedQueue:
         timeout: float | None = None,
         on_wait: Callable[[], None] | None = None,
         on_idle: Callable[[bool], None] | None = None,
+        wait_for_weights: bool = True,
     ) -> tuple[int, int]:
         """Block until the next item may be generated; return `(index, min_version)`.
 
         The producer must then generate item `index` with weights of version >= `min_version` (they are published
         by then) and `put` it. Time spent here is the generator's wait on the gate. `on_idle(True)` / `(False)` is
-        called when the producer starts and stops blocking (see `cores`).
+        called when the producer starts and stops blocking (see `cores`). `wait_for_weights=False` waits for room
+        only: a producer that samples with weights loaded later (in-flight updates) waits for `min_version` itself,
+        before its first sampled token.
         """
         c = self._counters
         poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved)), on_idle)
@@ -228,7 +231,7 @@ class StalenessBoundedQueue:
                     min_version = self.min_generation_version(index)
                     if c.waiting_index == index:
                         min_version = min(min_version, int(c.waiting_last_use) - self.max_staleness)
-                    if index - c.consumed < self.capacity and c.published >= min_version:
+                    if index - c.consumed < self.capacity and (c.published >= min_version or not wait_for_weights):
                         c.reserved = index + 1
                         return index, min_version
                 poller.wait()

@@ -183,6 +183,11 @@ class AsyncRolloutMixin(ModelCardMixin):
                 "trl-async[vllm]` on GPUs; on CPUs follow docs/vllm.md (`bash .ci/vllm_env.sh`). Or set "
                 "generation_backend='hf'."
             )
+        if self.args.inflight_weight_updates:
+            raise ValueError(
+                "inflight_weight_updates=True is implemented for the hf backend only (use_vllm / "
+                "generation_backend='vllm' selects vLLM); set inflight_weight_updates=False."
+            )
         sampling_kwargs(
             self.generation_config, self.temperature, list(self.eos_token_ids), self.args.generation_kwargs
         )
@@ -280,9 +285,12 @@ class AsyncRolloutMixin(ModelCardMixin):
         with self._hand_off(batch=batch) as slot:
             output = super()._generate_and_score_completions(inputs if batch is None else batch.payload.rows)
         if batch is not None:
+            completion_ids = output["completion_ids"]
             output["rollout_versions"] = torch.full(
-                (output["completion_ids"].size(0),), batch.version, device=output["completion_ids"].device
+                (completion_ids.size(0),), batch.version, device=completion_ids.device
             )
+            if batch.payload.token_versions is not None:  # in-flight weight updates: a version per token
+                output["rollout_token_versions"] = _padded(batch.payload.token_versions, completion_ids)
         return self._after_scoring(output, slot.rewards_per_func)
 
     def _generate(self, prompts: list):
@@ -451,8 +459,16 @@ class AsyncRolloutMixin(ModelCardMixin):
             return
         ages = self.state.global_step - inputs["rollout_versions"]
         max_age = int(async_field(self.args, "max_staleness") or 0)
-        counts = self.accelerator.reduce(row_age_counts(ages, max_age).to(ages.device), reduction="sum")
-        self.__dict__.setdefault("_offpolicy_window", {}).setdefault("train", OffPolicyWindow()).add_ages(counts)
+        counts = row_age_counts(ages, max_age).to(ages.device)
+        if "rollout_token_versions" in inputs:  # per token too: the oldest token is the row's age, the rest younger
+            mask = self._loss_mask(inputs).bool()
+            token_ages = (self.state.global_step - inputs["rollout_token_versions"])[mask].double()
+            counts = torch.cat([counts, torch.stack([token_ages.sum(), token_ages.new_tensor(token_ages.numel())])])
+        counts = self.accelerator.reduce(counts, reduction="sum")
+        window = self.__dict__.setdefault("_offpolicy_window", {}).setdefault("train", OffPolicyWindow())
+        window.add_ages(counts[: max_age + 2])
+        if counts.numel() > max_age + 2:
+            window.add_token_ages(float(counts[-2]), float(counts[-1]))
 
     @staticmethod
     def _loss_mask(inputs: dict) -> torch.Tensor:
@@ -565,3 +581,13 @@ class AsyncRolloutMixin(ModelCardMixin):
         metrics["completions/mean_terminated_length"].append(terminated.mean().item())
         metrics["completions/min_terminated_length"].append(terminated.min().item())
         metrics["completions/max_terminated_length"].append(terminated.max().item())
+
+
+def _padded(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """Per-row lists (ragged) as a (B, T) tensor shaped like `like`, each row padded with its last value."""
+    out = torch.zeros(like.shape, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row[: like.size(1)], dtype=torch.long)
+            out[i, len(row) :] = row[-1]
+    return out.to(like.device)

@@ -72,6 +72,7 @@ def generator_spec(trainer, where: Placement) -> GeneratorSpec:
         decode=bool(args.log_completions) or any(reward_models) or any_text_reward,
         parent_pid=os.getpid(),
         columns=_kept_columns(trainer),
+        inflight_weight_updates=bool(args.inflight_weight_updates),
     )
 
 
@@ -96,7 +97,7 @@ def backend_name(args) -> str:
 def backend_options(args, where: Placement) -> dict:
     """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
     if args.generation_backend != "vllm":
-        return {}
+        return {"inflight_weight_updates": True} if args.inflight_weight_updates else {}
     if args.vllm_mode == "server":
         return dict(
             base_url=args.vllm_server_base_url,

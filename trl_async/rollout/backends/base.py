@@ -32,6 +32,9 @@ class GenerationOutput:
     # (B, L) log-probs of the same tokens under the behaviour weights in the trainer's parametrization (logits /
     # temperature, no top-k/top-p/min-p/repetition penalty), or None where the backend cannot give them (vLLM).
     policy_logprobs: torch.Tensor | None = None
+    # (B, L) int64: the weights version that computed each token's logits (in-flight weight updates change it
+    # between decoding steps), or None where the backend does not record it (every token: the batch's version).
+    token_versions: torch.Tensor | None = None
 
     def importance_logprobs(self) -> torch.Tensor:
         """The behaviour log-probs the trainer's importance weight and M2PO compare π_θ with.
@@ -43,6 +46,13 @@ class GenerationOutput:
         leaves only the lag: the weight is exactly 1 at staleness 0, as in synchronous TRL, which trains on the warped
         samples without a correction."""
         return self.policy_logprobs if self.policy_logprobs is not None else self.logprobs
+
+    def token_version_lists(self) -> list[list[int]] | None:
+        """Per row, without padding, the version of the weights that sampled each token (None if not recorded)."""
+        if self.token_versions is None:
+            return None
+        lengths = self.completion_mask.sum(dim=1).tolist()
+        return [row[:n] for row, n in zip(self.token_versions.tolist(), lengths, strict=True)]
 
     def to_lists(self) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids and importance log-probs (`importance_logprobs`) per row, without padding."""
@@ -74,11 +84,15 @@ class GenerationBackend(abc.ABC):
         """Build the model and load the start-up weights; return their version."""
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput: ...
+    def generate(self, prompt_ids: list[list[int]], seed: int | None = None, ready=None) -> GenerationOutput:
+        """Sample one completion per prompt row. `ready()`, if given, is called once the batch is prepared (prompts
+        prefilled where the backend does that apart) and before the first token is sampled: with in-flight weight
+        updates the generation process waits there for recent enough weights."""
 
     @abc.abstractmethod
     def update_weights(self) -> int:
-        """Swap in the latest published weights (between batches); return their version."""
+        """Swap in the latest published weights (between batches, or between decoding steps with in-flight updates);
+        return their version."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the engine."""

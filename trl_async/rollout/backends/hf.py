@@ -225,11 +225,15 @@ def generate_with_behaviour_logprobs(
     device: torch.device | str,
     seed: int | None = None,
     heartbeat: Callable[[], None] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> GenerationOutput:
     """Sample one completion per prompt with transformers `generate`, recording μ of every sampled token.
 
     `seed` seeds the sampling of this batch only (the caller's RNG state is restored afterwards), so a batch is a
     function of (weights, prompts, seed) wherever it is generated: in the generation process or in the trainer.
+    `heartbeat()` runs at every decoding step, once that step's scores are recorded (in-flight weight updates load
+    newer weights there, for the next step's forward); `ready()` once the shared prompts are prefilled, before the
+    first token is sampled.
     """
     device = torch.device(device)
     width = max(len(p) for p in prompt_ids)
@@ -246,6 +250,8 @@ def generate_with_behaviour_logprobs(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     with rng, _recording_behaviour_logprobs(model, recorder, policy_recorder):
         prefilled = _shared_prompt_cache(model, input_ids, attention_mask, generation_config) or {}
+        if ready is not None:
+            ready()
         if seed is not None:
             torch.manual_seed(seed)
         sequences = model.generate(
@@ -280,8 +286,10 @@ class HFBackend(GenerationBackend):
         pad_token_id: int,
         device: str | torch.device = "cpu",
         heartbeat: Callable[[], None] = lambda: None,
+        inflight_weight_updates: bool = False,
     ):
         self.model_spec = model_spec
+        self.inflight_weight_updates = inflight_weight_updates
         self.frozen_store = frozen_store
         self.trainable_store = trainable_store
         self.generation_config = generation_config_for_rollouts(generation_config)
@@ -324,10 +332,21 @@ class HFBackend(GenerationBackend):
             self.version = self.trainable_store.read_into(self._params)
         return self.version
 
-    def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], seed: int | None = None, ready=None) -> GenerationOutput:
         # Inference mode, not only no_grad: the decoding loop's tensors skip version counters and view tracking (~4%
         # faster decoding on the tiny model, 1 thread). This model never trains. The results are cloned outside it,
         # so that callers (tensor rewards) get ordinary tensors they may use however they like.
+        step_versions: list[int] = []
+
+        def between_steps():
+            self.heartbeat()
+            step_versions.append(self.version)  # the weights that computed this step's scores, hence its token
+            if self.inflight_weight_updates:
+                # In-flight: the next step's forward runs on the newest published weights. The key/value cache of
+                # the tokens so far stays as the older weights computed it (as PipelineRL keeps it); μ of every
+                # token is recorded from the distribution that sampled it, so the importance weights stay exact.
+                self.update_weights()
+
         with torch.inference_mode():
             out = generate_with_behaviour_logprobs(
                 self.model,
@@ -337,7 +356,8 @@ class HFBackend(GenerationBackend):
                 self.pad_token_id,
                 self.device,
                 seed=seed,
-                heartbeat=self.heartbeat,
+                heartbeat=between_steps,
+                ready=ready,
             )
         policy_logprobs = out.policy_logprobs
         return GenerationOutput(
@@ -345,4 +365,13 @@ class HFBackend(GenerationBackend):
             completion_mask=out.completion_mask.clone(),
             logprobs=out.logprobs.clone(),
             policy_logprobs=None if policy_logprobs is None else policy_logprobs.clone(),
+            token_versions=_token_versions(step_versions, out.completion_ids, self.version),
         )
+
+
+def _token_versions(step_versions: list[int], completion_ids: torch.Tensor, current: int) -> torch.Tensor:
+    """(B, L) versions from the per-step list (every row decodes in step; `generate` may run one step past the end and
+    undo it, so the first L steps count). Steps not recorded (no decoding) get the current version."""
+    num_tokens = completion_ids.size(1)
+    steps = (step_versions + [current] * num_tokens)[:num_tokens]
+    return torch.tensor(steps, dtype=torch.long).unsqueeze(0).expand(completion_ids.size(0), -1).clone()
