@@ -22,6 +22,7 @@ tensor path directly through `trl_async.rewards.score_completions`).
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import re
 import sys
@@ -173,12 +174,34 @@ class _FunctionTensorReward(TensorReward):
 
     def __reduce__(self):
         # A decorated module-level function: its module attribute *is* this wrapper, so pickle it by reference
-        # (pickling `fn` by reference would fail: the name no longer points at the function).
+        # (pickling `fn` by reference would fail: the name no longer points at the function). Not in `__main__`: the
+        # process that unpickles it (the generation process) has another `__main__`, so the wrapper travels by value
+        # there, `fn` included (cloudpickle sends `__main__` functions by value). The state is set after the object
+        # is created, so a function that refers to its own (decorated) name pickles without recursing.
         module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
         qualname = getattr(self.fn, "__qualname__", "")
-        if module is not None and "." not in qualname and getattr(module, qualname, None) is self:
+        if (
+            module is not None
+            and "." not in qualname
+            and getattr(module, qualname, None) is self
+            and _importable_by_name(module.__name__)
+        ):
             return qualname
-        return (_FunctionTensorReward, (self.fn, self.__dict__.get("_reward_name")))
+        return (copyreg.__newobj__, (type(self),), dict(self.__dict__))
+
+
+def _importable_by_name(module_name: str) -> bool:
+    """Whether another process finds this module by importing its name: not `__main__` (the user's script, which the
+    generation process does not run), nor a module the user registered with `cloudpickle.register_pickle_by_value`."""
+    if module_name in ("__main__", "__mp_main__"):
+        return False
+    try:
+        import cloudpickle
+    except ImportError:
+        return True
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    parts = module_name.split(".")
+    return not any(".".join(parts[: i + 1]) in by_value for i in range(len(parts)))
 
 
 def tensor_reward(fn: Callable[..., torch.Tensor] | None = None, *, name: str | None = None):
