@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -124,6 +125,12 @@ class TensorReward:
         """Return a `FloatTensor[B]` on `completion_ids.device`. Must not decode or call a tokenizer."""
         raise NotImplementedError
 
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        """Dataset columns `score` reads through `**columns` (the trainer checks that the dataset has them before it
+        starts). Parameters that `score` names itself are found from its signature; the default is none."""
+        return ()
+
     def prepare(self, **columns: Any) -> None:
         """Do, now, every tokenizer-dependent piece of work that `score` would need for rows with these values.
 
@@ -218,11 +225,28 @@ def tensor_reward(fn: Callable[..., torch.Tensor] | None = None, *, name: str | 
     """
     if fn is None:
         return functools.partial(tensor_reward, name=name)
+    if not callable(fn):
+        raise TypeError(
+            f"@tensor_reward decorates a function `fn(completion_ids, completion_mask, **columns)`, got {fn!r} "
+            f"({type(fn).__name__}). Use it as `@tensor_reward` or `@tensor_reward(name=...)` above a def."
+        )
     if isinstance(fn, TensorReward):
         if name is not None:
             fn.__name__ = name
         return fn
     return _FunctionTensorReward(fn, name=name)
+
+
+def check_tokenizer_argument(tokenizer: Any, owner: str, optional: bool = False) -> None:
+    """Built-in rewards take a tokenizer object; a model id, a path or another object is refused with what to pass."""
+    if tokenizer is None and optional:
+        return
+    if isinstance(tokenizer, (str, bytes)) or not (callable(tokenizer) and hasattr(tokenizer, "get_vocab")):
+        shown = repr(tokenizer) if len(repr(tokenizer)) <= 60 else repr(tokenizer)[:57] + "..."
+        raise TypeError(
+            f"{owner}(tokenizer=...) needs a tokenizer object, got {shown} ({type(tokenizer).__name__}). Pass "
+            "`AutoTokenizer.from_pretrained(model_id)` (the tokenizer of the model being trained)."
+        )
 
 
 def is_tensor_reward(fn: Any) -> bool:
@@ -238,7 +262,14 @@ def as_int_tuple(seq: Iterable[Any], what: str) -> tuple[int, ...]:
         seq = seq.tolist()
     if isinstance(seq, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of token ids, got a string {seq!r}")
-    out = tuple(int(t) for t in seq)
+    items = list(seq)
+    for t in items:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"{what} must hold integer token ids, got {t!r} ({type(t).__name__}); token ids come from "
+                "`tokenizer.encode(text, add_special_tokens=False)`."
+            )
+    out = tuple(int(t) for t in items)
     if not out:
         raise ValueError(f"{what} is empty: an empty token pattern matches everywhere and is almost always a bug")
     if min(out) < 0:

@@ -16,11 +16,16 @@ Output contract, checked per function (the error names the function):
 - NaN passes through unchanged. Like TRL, a NaN/None reward means "this function does not apply to this row":
   TRL's advantage code sums rewards with `nansum`, and a row where every function is NaN is unscorable and gets
   zero advantage. Nothing here turns NaN into 0.
+- +inf and -inf are a `ValueError` (they would make every advantage of the group NaN or infinite, and TRL would log
+  them while the loss is 0).
+- A reward function that raises is reported as `RewardFunctionError` naming the function, with its exception as
+  the cause: a row it cannot score should get `None`, as in TRL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import numbers
@@ -32,7 +37,13 @@ import torch
 
 from .base import TensorReward, is_tensor_reward
 
-__all__ = ["score_completions", "prepare_rewards", "reward_name"]
+__all__ = ["score_completions", "prepare_rewards", "reward_name", "RewardFunctionError"]
+
+_NOT_SCORED = "return None (or NaN) for the rows it cannot score, as in TRL"
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised while scoring a batch; its exception is the `__cause__`."""
 
 
 def reward_name(fn: Any) -> str:
@@ -101,13 +112,23 @@ def _check_tensor_output(out: Any, batch: int, device: torch.device, name: str) 
     return out.to(torch.float32)
 
 
+def _infinite_reward(name: str, value: float, row: int) -> ValueError:
+    return ValueError(
+        f"The reward function '{name}' returned {value} for completion {row}; rewards must be finite (an infinite "
+        f"reward makes its group's advantages NaN). Clip it to a finite value, or {_NOT_SCORED}."
+    )
+
+
 def _to_float(value: Any, name: str, row: int) -> float:
     if value is None:
         return float("nan")
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        return float(value.item())
+        value = value.item()
     if isinstance(value, (numbers.Real, np.bool_)):  # int, float, bool, numpy scalars
-        return float(value)
+        value = float(value)
+        if value in (float("inf"), float("-inf")):
+            raise _infinite_reward(name, value, row)
+        return value
     raise TypeError(
         f"The reward function '{name}' returned {value!r} ({type(value).__name__}) for completion {row}; rewards "
         "must be real numbers or None."
@@ -173,10 +194,11 @@ def score_completions(
                 "reward models)."
             )
         if is_tensor_reward(fn):
-            if isinstance(fn, TensorReward):
-                out = fn.score(completion_ids, completion_mask, **columns, **extra)
-            else:
-                out = fn(completion_ids=completion_ids, completion_mask=completion_mask, **columns, **extra)
+            with _reported_as(name):
+                if isinstance(fn, TensorReward):
+                    out = fn.score(completion_ids, completion_mask, **columns, **extra)
+                else:
+                    out = fn(completion_ids=completion_ids, completion_mask=completion_mask, **columns, **extra)
             rewards[:, i] = _check_tensor_output(out, batch, device, name)
             continue
         if completions is None:
@@ -184,9 +206,10 @@ def score_completions(
             if len(completions) != batch:
                 raise ValueError(f"decode() returned {len(completions)} completions for {batch} rows")
             ids_list = _unpad(completion_ids, completion_mask)
-        out = _run_maybe_async(
-            fn(prompts=prompts, completions=completions, completion_ids=ids_list, **columns, **extra)
-        )
+        with _reported_as(name):
+            out = _run_maybe_async(
+                fn(prompts=prompts, completions=completions, completion_ids=ids_list, **columns, **extra)
+            )
         if isinstance(out, torch.Tensor):
             out = _check_tensor_output(out, batch, out.device, name).tolist()
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
@@ -198,4 +221,23 @@ def score_completions(
             )
         values = [_to_float(v, name, row) for row, v in enumerate(out)]
         rewards[:, i] = torch.tensor(values, dtype=torch.float32).to(device)
+    infinite = torch.isinf(rewards)
+    if infinite.any():  # one host sync per batch, for the tensor rewards (text rewards were checked value by value)
+        row, column = (int(k) for k in infinite.nonzero()[0])
+        raise _infinite_reward(names[column], float(rewards[row, column]), row)
     return rewards
+
+
+@contextlib.contextmanager
+def _reported_as(name: str):
+    """A reward function's own exception becomes a `RewardFunctionError` that names the function and says what to do;
+    the trainer's and the runner's errors pass through unchanged."""
+    try:
+        yield
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        raise RewardFunctionError(
+            f"The reward function '{name}' raised {type(error).__name__}"
+            + (f": {lines[0]}" if lines else "")
+            + f". Fix the function, or {_NOT_SCORED}."
+        ) from error
