@@ -220,20 +220,12 @@ MUTATIONS = [
         "a @tensor_reward function of the user's __main__ is pickled by name: the generation process cannot load it",
     ),
     Mutation(
-        "infinite_tensor_reward_accepted",
+        "infinite_reward_accepted",
         "trl_async/rewards/runner.py",
         "if infinite.any():",
         "if False:",
-        bad_input("tensor_reward_inf", "tensor_reward_negative_inf"),
-        "a tensor reward of ±inf is trained on (logged as ±inf, loss 0) instead of refused",
-    ),
-    Mutation(
-        "infinite_text_reward_accepted",
-        "trl_async/rewards/runner.py",
-        'if value in (float("inf"), float("-inf")):',
-        "if False:",
-        bad_input("text_reward_inf"),
-        "a text reward of ±inf is trained on instead of refused",
+        bad_input("tensor_reward_inf", "tensor_reward_negative_inf", "text_reward_inf"),
+        "a reward of ±inf is trained on (logged as ±inf while the loss is 0) instead of refused",
     ),
     Mutation(
         "raising_reward_not_named",

@@ -123,12 +123,9 @@ def _to_float(value: Any, name: str, row: int) -> float:
     if value is None:
         return float("nan")
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
+        return float(value.item())
     if isinstance(value, (numbers.Real, np.bool_)):  # int, float, bool, numpy scalars
-        value = float(value)
-        if value in (float("inf"), float("-inf")):
-            raise _infinite_reward(name, value, row)
-        return value
+        return float(value)
     raise TypeError(
         f"The reward function '{name}' returned {value!r} ({type(value).__name__}) for completion {row}; rewards "
         "must be real numbers or None."
@@ -222,7 +219,7 @@ def score_completions(
         values = [_to_float(v, name, row) for row, v in enumerate(out)]
         rewards[:, i] = torch.tensor(values, dtype=torch.float32).to(device)
     infinite = torch.isinf(rewards)
-    if infinite.any():  # one host sync per batch, for the tensor rewards (text rewards were checked value by value)
+    if infinite.any():  # one host sync per batch (the payload is copied to the host right after anyway)
         row, column = (int(k) for k in infinite.nonzero()[0])
         raise _infinite_reward(names[column], float(rewards[row, column]), row)
     return rewards
