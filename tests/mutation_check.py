@@ -230,9 +230,9 @@ MUTATIONS = [
     Mutation(
         "raising_reward_not_named",
         "trl_async/rewards/runner.py",
-        "    except Exception as error:\n        lines = str(error).strip().splitlines()",
-        "    except Exception as error:\n        raise\n        lines = str(error).strip().splitlines()",
-        bad_input("text_reward_raises"),
+        "    except Exception as error:\n        note = ",
+        "    except Exception as error:\n        raise\n        note = ",
+        bad_input("text_reward_raises", "text_reward_raises_in_generation_process"),
         "a reward function that raises surfaces as its bare exception, without its name or what to do",
     ),
     Mutation(

@@ -8,7 +8,7 @@ from .format import FormatReward
 from .length import LengthPenalty
 from .math_answer import MathAnswerReward
 from .pattern import TokenPatternReward
-from .runner import RewardFunctionError, prepare_rewards, score_completions
+from .runner import prepare_rewards, score_completions
 from .text import MathAnswerTextReward, math_answer_text_reward
 
 __all__ = [
@@ -22,6 +22,5 @@ __all__ = [
     "math_answer_text_reward",
     "MathAnswerTextReward",
     "score_completions",
-    "RewardFunctionError",
     "prepare_rewards",
 ]

@@ -18,8 +18,8 @@ Output contract, checked per function (the error names the function):
   zero advantage. Nothing here turns NaN into 0.
 - +inf and -inf are a `ValueError` (they would make every advantage of the group NaN or infinite, and TRL would log
   them while the loss is 0).
-- A reward function that raises is reported as `RewardFunctionError` naming the function, with its exception as
-  the cause: a row it cannot score should get `None`, as in TRL.
+- A reward function that raises: its exception propagates as in TRL (same type, same message), with a note that
+  names the function and says what to do (a row it cannot score should get `None`, as in TRL).
 """
 
 from __future__ import annotations
@@ -37,13 +37,9 @@ import torch
 
 from .base import TensorReward, is_tensor_reward
 
-__all__ = ["score_completions", "prepare_rewards", "reward_name", "RewardFunctionError"]
+__all__ = ["score_completions", "prepare_rewards", "reward_name"]
 
 _NOT_SCORED = "return None (or NaN) for the rows it cannot score, as in TRL"
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function raised while scoring a batch; its exception is the `__cause__`."""
 
 
 def reward_name(fn: Any) -> str:
@@ -227,14 +223,16 @@ def score_completions(
 
 @contextlib.contextmanager
 def _reported_as(name: str):
-    """A reward function's own exception becomes a `RewardFunctionError` that names the function and says what to do;
-    the trainer's and the runner's errors pass through unchanged."""
+    """A reward function's own exception propagates unchanged (its type and message, as in TRL), with a note naming
+    the function and saying what to do: Python prints it under the message, and the generation process puts it on
+    the first line of what it reports (`rollout.generator.error_report`)."""
     try:
         yield
     except Exception as error:
-        lines = str(error).strip().splitlines()
-        raise RewardFunctionError(
-            f"The reward function '{name}' raised {type(error).__name__}"
-            + (f": {lines[0]}" if lines else "")
-            + f". Fix the function, or {_NOT_SCORED}."
-        ) from error
+        note = f"Raised by the reward function '{name}': fix it, or {_NOT_SCORED}."
+        with contextlib.suppress(AttributeError, TypeError):
+            if hasattr(error, "add_note"):
+                error.add_note(note)
+            else:  # Python 3.10
+                error.__notes__ = [*getattr(error, "__notes__", []), note]
+        raise

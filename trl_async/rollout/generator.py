@@ -275,11 +275,12 @@ class _Control:
 # ------------------------------------------------------------------------------------------------------ child side
 def error_report(error: BaseException) -> str:
     """What the child reports to the trainer: its exception's first line (`ValueError: ...`, which names the setting
-    and says what to do), then the traceback. `GenerationProcess.check_health` raises it as the first line of
-    `GeneratorError`."""
+    and says what to do) with its notes (a raising reward function's name), then the traceback.
+    `GenerationProcess.check_health` raises it as the first line of `GeneratorError`."""
     lines = str(error).strip().splitlines()
     summary = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return f"{summary}\n{traceback.format_exc()}"
+    notes = " ".join(str(note) for note in getattr(error, "__notes__", None) or [])
+    return f"{summary}{f' ({notes})' if notes else ''}\n{traceback.format_exc()}"
 
 
 def _die_with_parent(parent_pid: int) -> None:
