@@ -52,6 +52,7 @@ from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
 from .shared_prompt import pack_prompt_groups, prefix_forward, prefix_survives_checkpointing, split_prompt_prefix
 from .unsupported import check_async_supported, check_m2po_supported
+from .validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +129,15 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
                 rollout_func=given.get("rollout_func"),
                 environment_factory=given.get("environment_factory"),
             )
-            if args.generation_backend == "hf":  # the generation process's imports, while TRL builds the trainer
-                warm_up_generator_start()
+        check_inputs_before_init(
+            args, model, bound.arguments.get("reward_funcs"), bound.arguments.get("train_dataset")
+        )
+        if args.async_generation and args.generation_backend == "hf":
+            warm_up_generator_start()  # the generation process's imports, while TRL builds the trainer
         # Wrappers (DDP, compiled modules) -> the bare model, see `_unwrap`; weak: a re-prepared model drops its old wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
+        check_inputs_after_init(self)
         self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._offpolicy_window: dict[str, OffPolicyWindow] = {}  # `offpolicy/*` of the logging window, per mode
         self._rollout = RolloutClient(
@@ -151,17 +156,9 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         )
         if self.args.async_generation:
             self.add_callback(_PublishWeights(self))
-            if self.args.generation_backend == "vllm":
-                import importlib.util
-
+            if self.args.generation_backend == "vllm":  # vLLM's presence: `validation.check_vllm_installed`
                 from .rollout.vllm_backend import sampling_kwargs
 
-                if self.args.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
-                    raise ImportError(
-                        "generation_backend='vllm' (or use_vllm=True) needs vLLM in this environment: `pip install "
-                        "trl-async[vllm]` on GPUs; on CPUs follow docs/vllm.md (`bash .ci/vllm_env.sh`). Or set "
-                        "generation_backend='hf'."
-                    )
                 # A sampling setting vLLM cannot honour fails here, before any process starts.
                 sampling_kwargs(
                     self.generation_config, self.temperature, list(self.eos_token_ids), self.args.generation_kwargs
@@ -295,6 +292,7 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
     def train(self, *args, **kwargs):
         """`Trainer.train`, plus: the generation process is stopped on return, exception or KeyboardInterrupt."""
         try:
+            check_resume(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
             return super().train(*args, **kwargs)
         finally:
             self.close_rollout()
@@ -722,7 +720,9 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if not self._rollout_started():
             return
-        states = gather_object([self._rollout.checkpoint_state(self.state.global_step)])
+        state = self._rollout.checkpoint_state(self.state.global_step)
+        state["run"] = run_geometry(self.args, self.accelerator.num_processes, self.train_dataset)  # checked on resume
+        states = gather_object([state])
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
