@@ -49,6 +49,14 @@ M2PO_TRAINING_VALUES_TEST = (
 )
 RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
 
+BAD_INPUT_TEST = "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_leaves_nothing_behind"
+
+
+def bad_input(*case_ids: str) -> tuple[str, ...]:
+    """The cases of `tests/test_bad_inputs.py`'s table that guard a check."""
+    return tuple(f"{BAD_INPUT_TEST}[{case_id}]" for case_id in case_ids)
+
+
 MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness guarantee
     Mutation(
@@ -530,6 +538,121 @@ MUTATIONS = [
         "        if False:\n            raise FileNotFoundError(",
         ("tests/test_run_all.py::test_a_missing_results_file_is_never_rendered_silently",),
         "a missing results file is read as nothing instead of an error that names it",
+    ),
+    Mutation(
+        "main_reward_pickled_by_name",
+        "trl_async/rewards/base.py",
+        "            and _importable_by_name(module.__name__)\n",
+        "",
+        (
+            "tests/test_main_module_rewards.py::test_decorated_rewards_from_main_unpickle_in_a_process_that_never_ran_main",
+            "tests/test_main_module_rewards.py::test_rewards_defined_in_a_script_train_with_python_script_py",
+        ),
+        "a @tensor_reward function of the user's __main__ is pickled by name: the generation process cannot load it",
+    ),
+    Mutation(
+        "infinite_reward_accepted",
+        "trl_async/rewards/runner.py",
+        "if infinite.any():",
+        "if False:",
+        bad_input("tensor_reward_inf", "tensor_reward_negative_inf", "text_reward_inf"),
+        "a reward of ±inf is trained on (logged as ±inf while the loss is 0) instead of refused",
+    ),
+    Mutation(
+        "raising_reward_not_named",
+        "trl_async/rewards/runner.py",
+        "    except Exception as error:\n        note = ",
+        "    except Exception as error:\n        raise\n        note = ",
+        bad_input("text_reward_raises", "text_reward_raises_in_generation_process"),
+        "a reward function that raises surfaces as its bare exception, without its name or what to do",
+    ),
+    Mutation(
+        "generator_error_starts_with_the_traceback",
+        "trl_async/rollout/generator.py",
+        'raise GeneratorError(f"{summary}\\n(raised in the generation process, pid {self.pid})\\n{details}")',
+        'raise GeneratorError(f"The generation process (pid {self.pid}) failed:\\n{error}")',
+        bad_input("text_reward_raises_in_generation_process", "tensor_reward_wrong_shape_in_generation_process"),
+        "an error of the generation process reaches the user as a traceback whose first line says nothing",
+    ),
+    Mutation(
+        "prompt_past_the_context_accepted",
+        "trl_async/validation.py",
+        "if context is not None and len(ids) >= context:",
+        "if False:",
+        bad_input("prompt_longer_than_context", "prompt_longer_than_context_streamed"),
+        "a prompt longer than the model's context is generated from silently",
+    ),
+    Mutation(
+        "empty_prompt_accepted",
+        "trl_async/validation.py",
+        'return "is an empty string" if not prompt else None',
+        "return None",
+        bad_input("empty_prompt", "empty_prompt_streamed_generation_process"),
+        "an empty prompt fails late with an IndexError deep in generation",
+    ),
+    Mutation(
+        "prompt_column_not_checked",
+        "trl_async/validation.py",
+        'if columns is not None and "prompt" not in columns:',
+        "if False:",
+        bad_input("no_prompt_column"),
+        "a dataset without a prompt column fails at the first batch with KeyError: 'prompt'",
+    ),
+    Mutation(
+        "too_few_prompts_accepted",
+        "trl_async/validation.py",
+        "if rows < needed:",
+        "if False:",
+        bad_input("too_few_prompts"),
+        "a dataset smaller than one generation batch trains no step, silently",
+    ),
+    Mutation(
+        "reward_columns_not_checked",
+        "trl_async/validation.py",
+        "        if missing:\n            hint",
+        "        if False:\n            hint",
+        bad_input("text_reward_missing_column", "math_answer_reward_missing_column", "tensor_reward_missing_column"),
+        "a reward needing a column the dataset lacks fails at the first batch, in the generation process",
+    ),
+    Mutation(
+        "generation_device_not_checked",
+        "trl_async/validation.py",
+        'check_generation_device(getattr(args, "generation_device", None))',
+        "pass",
+        bad_input("generation_device_unknown", "generation_device_absent"),
+        "an unknown or absent generation_device fails late, in the generation process only",
+    ),
+    Mutation(
+        "tokenizer_eos_not_checked",
+        "trl_async/validation.py",
+        "check_eos_and_pad(trainer.processing_class)",
+        "pass",
+        bad_input("tokenizer_without_eos_or_pad"),
+        "a tokenizer without EOS fails at the first batch with a TypeError",
+    ),
+    Mutation(
+        "model_id_not_named",
+        "trl_async/validation.py",
+        "except OSError as error:  # not found, not reachable, gated",
+        "except ImportError as error:  # not found, not reachable, gated",
+        bad_input("model_id_offline", "reward_model_id_offline"),
+        "a model that cannot be loaded offline fails with transformers' message, which never names the id",
+    ),
+    Mutation(
+        "corrupt_rollout_state_not_named",
+        "trl_async/validation.py",
+        "except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:",
+        "except (OSError, UnicodeDecodeError) as error:",
+        bad_input("resume_corrupt_rollout_state"),
+        "a corrupt trl_async_rollout.json fails with a bare JSONDecodeError that names no file",
+    ),
+    Mutation(
+        "resume_other_run_accepted",
+        "trl_async/validation.py",
+        'saved = (ranks[0].get("run") if ranks else None) or None',
+        "saved = None",
+        bad_input("resume_run_with_other_settings"),
+        "a checkpoint of a run with another batch geometry resumes at a stream position that means other rows",
     ),
 ]
 

@@ -218,6 +218,11 @@ def normalize_eos(eos_token_id: int | Sequence[int] | None) -> list[int]:
         return []
     if isinstance(eos_token_id, int):
         return [eos_token_id]
+    if isinstance(eos_token_id, str) or any(isinstance(e, str) for e in eos_token_id):
+        raise TypeError(
+            f"eos_token_id must be a token id (int) or a list of ids, got {eos_token_id!r}: a token's id is "
+            "`tokenizer.convert_tokens_to_ids(token)` (or `tokenizer.eos_token_id`)."
+        )
     out = sorted({int(e) for e in eos_token_id})
     if any(e < 0 for e in out):
         raise ValueError(f"EOS token ids must be non-negative, got {out}")

@@ -22,7 +22,9 @@ tensor path directly through `trl_async.rewards.score_completions`).
 
 from __future__ import annotations
 
+import copyreg
 import functools
+import numbers
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -123,6 +125,12 @@ class TensorReward:
         """Return a `FloatTensor[B]` on `completion_ids.device`. Must not decode or call a tokenizer."""
         raise NotImplementedError
 
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        """Dataset columns `score` reads through `**columns` (the trainer checks that the dataset has them before it
+        starts). Parameters that `score` names itself are found from its signature; the default is none."""
+        return ()
+
     def prepare(self, **columns: Any) -> None:
         """Do, now, every tokenizer-dependent piece of work that `score` would need for rows with these values.
 
@@ -173,12 +181,34 @@ class _FunctionTensorReward(TensorReward):
 
     def __reduce__(self):
         # A decorated module-level function: its module attribute *is* this wrapper, so pickle it by reference
-        # (pickling `fn` by reference would fail: the name no longer points at the function).
+        # (pickling `fn` by reference would fail: the name no longer points at the function). Not in `__main__`: the
+        # process that unpickles it (the generation process) has another `__main__`, so the wrapper travels by value
+        # there, `fn` included (cloudpickle sends `__main__` functions by value). The state is set after the object
+        # is created, so a function that refers to its own (decorated) name pickles without recursing.
         module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
         qualname = getattr(self.fn, "__qualname__", "")
-        if module is not None and "." not in qualname and getattr(module, qualname, None) is self:
+        if (
+            module is not None
+            and "." not in qualname
+            and getattr(module, qualname, None) is self
+            and _importable_by_name(module.__name__)
+        ):
             return qualname
-        return (_FunctionTensorReward, (self.fn, self.__dict__.get("_reward_name")))
+        return (copyreg.__newobj__, (type(self),), dict(self.__dict__))
+
+
+def _importable_by_name(module_name: str) -> bool:
+    """Whether another process finds this module by importing its name: not `__main__` (the user's script, which the
+    generation process does not run), nor a module the user registered with `cloudpickle.register_pickle_by_value`."""
+    if module_name in ("__main__", "__mp_main__"):
+        return False
+    try:
+        import cloudpickle
+    except ImportError:
+        return True
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    parts = module_name.split(".")
+    return not any(".".join(parts[: i + 1]) in by_value for i in range(len(parts)))
 
 
 def tensor_reward(fn: Callable[..., torch.Tensor] | None = None, *, name: str | None = None):
@@ -195,11 +225,28 @@ def tensor_reward(fn: Callable[..., torch.Tensor] | None = None, *, name: str | 
     """
     if fn is None:
         return functools.partial(tensor_reward, name=name)
+    if not callable(fn):
+        raise TypeError(
+            f"@tensor_reward decorates a function `fn(completion_ids, completion_mask, **columns)`, got {fn!r} "
+            f"({type(fn).__name__}). Use it as `@tensor_reward` or `@tensor_reward(name=...)` above a def."
+        )
     if isinstance(fn, TensorReward):
         if name is not None:
             fn.__name__ = name
         return fn
     return _FunctionTensorReward(fn, name=name)
+
+
+def check_tokenizer_argument(tokenizer: Any, owner: str, optional: bool = False) -> None:
+    """Built-in rewards take a tokenizer object; a model id, a path or another object is refused with what to pass."""
+    if tokenizer is None and optional:
+        return
+    if isinstance(tokenizer, (str, bytes)) or not (callable(tokenizer) and hasattr(tokenizer, "get_vocab")):
+        shown = repr(tokenizer) if len(repr(tokenizer)) <= 60 else repr(tokenizer)[:57] + "..."
+        raise TypeError(
+            f"{owner}(tokenizer=...) needs a tokenizer object, got {shown} ({type(tokenizer).__name__}). Pass "
+            "`AutoTokenizer.from_pretrained(model_id)` (the tokenizer of the model being trained)."
+        )
 
 
 def is_tensor_reward(fn: Any) -> bool:
@@ -215,7 +262,14 @@ def as_int_tuple(seq: Iterable[Any], what: str) -> tuple[int, ...]:
         seq = seq.tolist()
     if isinstance(seq, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of token ids, got a string {seq!r}")
-    out = tuple(int(t) for t in seq)
+    items = list(seq)
+    for t in items:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"{what} must hold integer token ids, got {t!r} ({type(t).__name__}); token ids come from "
+                "`tokenizer.encode(text, add_special_tokens=False)`."
+            )
+    out = tuple(int(t) for t in items)
     if not out:
         raise ValueError(f"{what} is empty: an empty token pattern matches everywhere and is almost always a bug")
     if min(out) < 0:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._tokens import SuffixTable, anchored_variants, default_eos_ids, normalize_eos
-from .base import TensorReward, as_int_tuple, to_device, valid_token_mask
+from .base import TensorReward, as_int_tuple, check_tokenizer_argument, to_device, valid_token_mask
 
 __all__ = ["FormatReward"]
 
@@ -40,6 +40,7 @@ class FormatReward(TensorReward):
         name: str | None = None,
     ):
         super().__init__(name=name)
+        check_tokenizer_argument(tokenizer, "FormatReward", optional=True)
         if isinstance(required, str):
             required = (required,)
         if not required:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -28,10 +29,23 @@ class LengthPenalty(TensorReward):
 
     def __init__(self, max_length: int, cache_length: int = 0, *, penalty: float = 1.0, name: str | None = None):
         super().__init__(name=name)
+        for setting, value in (("max_length", max_length), ("cache_length", cache_length)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(
+                    f"LengthPenalty {setting} must be an int (a number of completion tokens), got {value!r} "
+                    f"({type(value).__name__}); e.g. LengthPenalty(max_length=args.max_completion_length)."
+                )
+        if isinstance(penalty, bool) or not isinstance(penalty, numbers.Real):
+            raise TypeError(f"LengthPenalty penalty must be a number, got {penalty!r} ({type(penalty).__name__}).")
         if max_length <= 0:
-            raise ValueError(f"max_length must be positive, got {max_length}")
+            raise ValueError(
+                f"LengthPenalty max_length must be positive, got {max_length}; set it to max_completion_length."
+            )
         if not 0 <= cache_length <= max_length:
-            raise ValueError(f"cache_length must be in [0, max_length], got {cache_length}")
+            raise ValueError(
+                f"LengthPenalty cache_length must be in [0, max_length={max_length}], got {cache_length}: it is the "
+                "soft zone before max_length (DAPO: 4096 of 20480)."
+            )
         self.max_length, self.cache_length, self.penalty = int(max_length), int(cache_length), float(penalty)
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:

@@ -80,7 +80,7 @@ from ._tokens import (
     reduce_alphabet,
     tails_after,
 )
-from .base import TensorReward, pad_completion_ids, to_device
+from .base import TensorReward, check_tokenizer_argument, pad_completion_ids, to_device
 
 __all__ = ["MathAnswerReward"]
 
@@ -138,6 +138,9 @@ class MathAnswerReward(TensorReward):
         name: str | None = None,
     ):
         super().__init__(name=name)
+        check_tokenizer_argument(tokenizer, "MathAnswerReward")
+        if not isinstance(answer_column, str):
+            raise TypeError(f"MathAnswerReward answer_column must be a column name (str), got {answer_column!r}.")
         if isinstance(markers, str):
             markers = (markers,)
         if not markers:
@@ -612,6 +615,10 @@ class MathAnswerReward(TensorReward):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        return (self.answer_column,)
 
     # ------------------------------------------------------------------ scoring
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:

@@ -89,6 +89,10 @@ class TokenPatternReward(TensorReward):
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         return to_device(padded, device), to_device(lengths, device)
 
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        return () if self.pattern_column is None else (self.pattern_column,)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_device_cache"] = {}

@@ -16,11 +16,16 @@ Output contract, checked per function (the error names the function):
 - NaN passes through unchanged. Like TRL, a NaN/None reward means "this function does not apply to this row":
   TRL's advantage code sums rewards with `nansum`, and a row where every function is NaN is unscorable and gets
   zero advantage. Nothing here turns NaN into 0.
+- +inf and -inf are a `ValueError` (they would make every advantage of the group NaN or infinite, and TRL would log
+  them while the loss is 0).
+- A reward function that raises: its exception propagates as in TRL (same type, same message), with a note that
+  names the function and says what to do (a row it cannot score should get `None`, as in TRL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import numbers
@@ -33,6 +38,8 @@ import torch
 from .base import TensorReward, is_tensor_reward
 
 __all__ = ["score_completions", "prepare_rewards", "reward_name"]
+
+_NOT_SCORED = "return None (or NaN) for the rows it cannot score, as in TRL"
 
 
 def reward_name(fn: Any) -> str:
@@ -99,6 +106,13 @@ def _check_tensor_output(out: Any, batch: int, device: torch.device, name: str) 
             f"{device}; keep the rewards on the completions' device."
         )
     return out.to(torch.float32)
+
+
+def _infinite_reward(name: str, value: float, row: int) -> ValueError:
+    return ValueError(
+        f"The reward function '{name}' returned {value} for completion {row}; rewards must be finite (an infinite "
+        f"reward makes its group's advantages NaN). Clip it to a finite value, or {_NOT_SCORED}."
+    )
 
 
 def _to_float(value: Any, name: str, row: int) -> float:
@@ -173,10 +187,11 @@ def score_completions(
                 "reward models)."
             )
         if is_tensor_reward(fn):
-            if isinstance(fn, TensorReward):
-                out = fn.score(completion_ids, completion_mask, **columns, **extra)
-            else:
-                out = fn(completion_ids=completion_ids, completion_mask=completion_mask, **columns, **extra)
+            with _reported_as(name):
+                if isinstance(fn, TensorReward):
+                    out = fn.score(completion_ids, completion_mask, **columns, **extra)
+                else:
+                    out = fn(completion_ids=completion_ids, completion_mask=completion_mask, **columns, **extra)
             rewards[:, i] = _check_tensor_output(out, batch, device, name)
             continue
         if completions is None:
@@ -184,9 +199,10 @@ def score_completions(
             if len(completions) != batch:
                 raise ValueError(f"decode() returned {len(completions)} completions for {batch} rows")
             ids_list = _unpad(completion_ids, completion_mask)
-        out = _run_maybe_async(
-            fn(prompts=prompts, completions=completions, completion_ids=ids_list, **columns, **extra)
-        )
+        with _reported_as(name):
+            out = _run_maybe_async(
+                fn(prompts=prompts, completions=completions, completion_ids=ids_list, **columns, **extra)
+            )
         if isinstance(out, torch.Tensor):
             out = _check_tensor_output(out, batch, out.device, name).tolist()
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
@@ -198,4 +214,25 @@ def score_completions(
             )
         values = [_to_float(v, name, row) for row, v in enumerate(out)]
         rewards[:, i] = torch.tensor(values, dtype=torch.float32).to(device)
+    infinite = torch.isinf(rewards)
+    if infinite.any():  # one host sync per batch (the payload is copied to the host right after anyway)
+        row, column = (int(k) for k in infinite.nonzero()[0])
+        raise _infinite_reward(names[column], float(rewards[row, column]), row)
     return rewards
+
+
+@contextlib.contextmanager
+def _reported_as(name: str):
+    """A reward function's own exception propagates unchanged (its type and message, as in TRL), with a note naming
+    the function and saying what to do: Python prints it under the message, and the generation process puts it on
+    the first line of what it reports (`rollout.generator.error_report`)."""
+    try:
+        yield
+    except Exception as error:
+        note = f"Raised by the reward function '{name}': fix it, or {_NOT_SCORED}."
+        with contextlib.suppress(AttributeError, TypeError):
+            if hasattr(error, "add_note"):
+                error.add_note(note)
+            else:  # Python 3.10
+                error.__notes__ = [*getattr(error, "__notes__", []), note]
+        raise

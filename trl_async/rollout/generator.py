@@ -37,6 +37,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as torch_mp
 
+from ..validation import check_prompt_ids, check_prompt_values, context_length
 from .backends import GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
 from .payload import RolloutPayload
@@ -169,6 +170,7 @@ class RolloutProducer:
         stream_index = spec.stream_offset + queue_index
         rows = self.stream.rows(stream_index)
         prompts = [row["prompt"] for row in rows]
+        check_prompt_values(prompts, first_row=None)
         conversational = is_conversational_prompt(prompts[0])
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         callables = [f for f in spec.reward_funcs if f is not None]
@@ -177,6 +179,7 @@ class RolloutProducer:
         # time (a no-op for rows already prepared).
         prepare_rewards(callables, columns)
         prompt_ids = [list(p) for p in self._tokenize(prompts)]
+        check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
         seed = batch_seed(spec.seed, spec.process_index, stream_index)
         generated: GenerationOutput = (
             self.generate(prompt_ids, seed) if ready is None else self.generate(prompt_ids, seed, ready)
@@ -275,6 +278,16 @@ class _Control:
 
 
 # ------------------------------------------------------------------------------------------------------ child side
+def error_report(error: BaseException) -> str:
+    """What the child reports to the trainer: its exception's first line (`ValueError: ...`, which names the setting
+    and says what to do) with its notes (a raising reward function's name), then the traceback.
+    `GenerationProcess.check_health` raises it as the first line of `GeneratorError`."""
+    lines = str(error).strip().splitlines()
+    summary = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    notes = " ".join(str(note) for note in getattr(error, "__notes__", None) or [])
+    return f"{summary}{f' ({notes})' if notes else ''}\n{traceback.format_exc()}"
+
+
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -410,8 +423,8 @@ def _generator_main(
             control.beat()
     except QueueClosed:
         pass
-    except BaseException:
-        control.report_error(traceback.format_exc())
+    except BaseException as error:
+        control.report_error(error_report(error))
         exit_code = 1
     finally:
         if backend is not None:
@@ -566,8 +579,9 @@ class GenerationProcess:
                     f"The generation process (pid {self.pid}) exited with code {self.process.exitcode} without "
                     "reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
                 )
-        if error is not None:
-            raise GeneratorError(f"The generation process (pid {self.pid}) failed:\n{error}")
+        if error is not None:  # the child's own message first: it says what to do
+            summary, _, details = error.partition("\n")
+            raise GeneratorError(f"{summary}\n(raised in the generation process, pid {self.pid})\n{details}")
         now = time.time()
         if not self.ready:
             if now - self.started_at > self.startup_timeout:

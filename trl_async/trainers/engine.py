@@ -47,6 +47,7 @@ from ..rollout.generator import warm_up_generator_start
 from ..rollout.prompts import is_iterable_dataset
 from ..schedule import micro_steps_per_generation, versions_until_last_use
 from ..unsupported import check_async_supported
+from ..validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
 from . import forward, trl_contract
 from .rollout_spec import generator_spec, placement
 
@@ -129,11 +130,15 @@ class AsyncRolloutMixin(ModelCardMixin):
                 rollout_func=given.get("rollout_func"),
                 environment_factory=given.get("environment_factory"),
             )
-            if args.generation_backend == "hf":  # the generation process's imports, while TRL builds the trainer
-                warm_up_generator_start()
+        check_inputs_before_init(
+            args, model, bound.arguments.get("reward_funcs"), bound.arguments.get("train_dataset")
+        )
+        if args.async_generation and args.generation_backend == "hf":
+            warm_up_generator_start()  # the generation process's imports, while TRL builds the trainer
         # Wrappers (DDP, compiled modules) -> the bare model (`_unwrap`); weak: a re-prepared model drops its wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
+        check_inputs_after_init(self)
         self._hook_slot: HookSlot | None = None
         self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
         self._offpolicy_window: dict[str, OffPolicyWindow] = {}  # `offpolicy/*` of the logging window, per mode
@@ -171,18 +176,10 @@ class AsyncRolloutMixin(ModelCardMixin):
         )
 
     def _check_vllm_backend(self) -> None:
-        """A vLLM backend that cannot run here, or a sampling setting vLLM cannot honour, fails before any process
-        starts."""
-        import importlib.util
-
+        """A sampling setting vLLM cannot honour fails before any process starts (vLLM's presence:
+        `validation.check_vllm_installed`, before the model loads)."""
         from ..rollout.backends.vllm import sampling_kwargs
 
-        if self.args.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
-            raise ImportError(
-                "generation_backend='vllm' (or use_vllm=True) needs vLLM in this environment: `pip install "
-                "trl-async[vllm]` on GPUs; on CPUs follow docs/vllm.md (`bash .ci/vllm_env.sh`). Or set "
-                "generation_backend='hf'."
-            )
         if self.args.inflight_weight_updates:
             raise ValueError(
                 "inflight_weight_updates=True is implemented for the hf backend only (use_vllm / "
@@ -215,8 +212,10 @@ class AsyncRolloutMixin(ModelCardMixin):
         self._rollout.close()
 
     def train(self, *args, **kwargs):
-        """`Trainer.train`, plus: the generation process is stopped on return, exception or KeyboardInterrupt."""
+        """`Trainer.train`, plus: a checkpoint to resume from is checked against this run first
+        (`validation.check_resume`), and the generation process is stopped on return, exception or KeyboardInterrupt."""
         try:
+            check_resume(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
             return super().train(*args, **kwargs)
         finally:
             self.close_rollout()
@@ -494,7 +493,9 @@ class AsyncRolloutMixin(ModelCardMixin):
         super()._save_checkpoint(model, trial)
         if not self._rollout_started():
             return
-        states = gather_object([self._rollout.checkpoint_state(self.state.global_step)])
+        state = self._rollout.checkpoint_state(self.state.global_step)
+        state["run"] = run_geometry(self.args, self.accelerator.num_processes, self.train_dataset)  # checked on resume
+        states = gather_object([state])
         if self.args.should_save:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
