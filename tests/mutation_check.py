@@ -97,8 +97,8 @@ MUTATIONS = [
     Mutation(
         "gate_open",
         "trl_async/rollout/queue.py",
-        "and c.published >= min_version:",
-        ":",
+        "(c.published >= min_version or not wait_for_weights):",
+        "(True or not wait_for_weights):",
         ("tests/test_queue.py",),
         "the producer generates without waiting for recent enough weights",
     ),
@@ -448,6 +448,47 @@ MUTATIONS = [
         "    if False:",
         ("tests/test_trl_contract.py::test_finish_grpo_config_is_grpo_configs_post_init",),
         "AsyncPPOConfig's copy of GRPOConfig's post-init drifts from TRL's: a clip range TRL refuses is accepted",
+    ),
+    # --------------------------------------------------------------------------------------- in-flight updates
+    Mutation(
+        "inflight_version_recorded_after_the_update",
+        "trl_async/rollout/backends/hf.py",
+        """            step_versions.append(self.version)  # the weights that computed this step's scores, hence its token
+            if self.inflight_weight_updates:""",
+        """            if self.inflight_weight_updates:
+                self.update_weights()
+            step_versions.append(self.version)
+            if self.inflight_weight_updates:""",
+        (
+            "tests/test_inflight.py::test_a_forced_mid_sequence_update_changes_the_distribution_exactly_at_the_recorded_token",
+        ),
+        "a token is tagged with the weights loaded after its step, one step early at every switch",
+    ),
+    Mutation(
+        "inflight_updates_never_load",
+        "trl_async/rollout/backends/hf.py",
+        "            if self.inflight_weight_updates:\n",
+        "            if False:\n",
+        ("tests/test_inflight.py",),
+        "inflight_weight_updates=True decodes a whole batch on its first weights",
+    ),
+    Mutation(
+        "inflight_batch_tagged_with_its_newest_token",
+        "trl_async/rollout/payload.py",
+        "return min(firsts) if firsts else None",
+        "return max(max(v) for v in self.token_versions if v) if firsts else None",
+        ("tests/test_inflight.py::test_every_token_of_a_training_batch_records_the_weights_that_sampled_it",),
+        "a batch's staleness is its newest token's: rows with older tokens pass the bound",
+    ),
+    Mutation(
+        "inflight_batch_not_gated",
+        "trl_async/rollout/generator.py",
+        """    def ready():
+        _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)""",
+        """    def ready():
+        pass""",
+        ("tests/test_inflight.py::test_every_token_of_a_training_batch_records_the_weights_that_sampled_it",),
+        "in-flight batches start on whatever weights are loaded: batches too old to train on are made, then evicted",
     ),
     # --------------------------------------------------------------------------------------- staleness study
     Mutation(

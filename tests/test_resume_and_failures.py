@@ -141,7 +141,9 @@ class _Killer(TrainerCallback):
     """Kills the generation process at a chosen moment: `moment` is one of
     * "generating": after a random delay once the generator serves, likely mid-batch;
     * "gated": while it waits at the gate (max_staleness=0 and a slow trainer step keep it there);
-    * "publishing": right before the trainer publishes weights (from the step-end callbacks)."""
+    * "publishing": right before the trainer publishes weights (from the step-end callbacks);
+    * "inflight_update": the same with in-flight weight updates and long completions, so the generator is decoding
+      and loads the weights just published between two decoding steps when the signal lands."""
 
     def __init__(self, trainer, moment, rng):
         self.trainer, self.moment, self.rng = trainer, moment, rng
@@ -166,15 +168,20 @@ class _Killer(TrainerCallback):
             self.kill()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.moment == "publishing" and self.pid is not None:
+        if self.moment in ("publishing", "inflight_update") and self.pid is not None:
             self.kill()  # callbacks run in order: ours was added after the publishing one, so this is the moment it
             # returned; the next publish (and the next queue read) must notice
 
 
 def _run_and_kill(tmp_path, dataset, tokenizer, moment, seed):
+    inflight = (
+        dict(inflight_weight_updates=True, max_completion_length=64, generation_kwargs={"min_new_tokens": 64})
+        if moment == "inflight_update"
+        else {}
+    )
     args = make_args(
         tmp_path, max_steps=40, max_staleness=0 if moment == "gated" else 1, trainer_generates_while_starting=False,
-        generator_heartbeat_timeout=60.0,
+        generator_heartbeat_timeout=60.0, **inflight,
     )  # fmt: skip
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
@@ -190,7 +197,7 @@ def _run_and_kill(tmp_path, dataset, tokenizer, moment, seed):
     assert trainer._rollout.process is None
 
 
-@pytest.mark.parametrize("moment", ["generating", "gated", "publishing"])
+@pytest.mark.parametrize("moment", ["generating", "gated", "publishing", "inflight_update"])
 def test_killed_generator_is_reported_and_nothing_is_left(tmp_path, dataset, tokenizer, moment):
     _run_and_kill(tmp_path, dataset, tokenizer, moment, seed=0)
 

@@ -361,9 +361,10 @@ def _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_st
 
 
 def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
-    """One batch with in-flight weight updates: started as soon as the queue has room (prompts tokenized and
-    prefilled), gated before its first token is sampled (the oldest token defines the batch's staleness), and
-    decoded on the newest published weights, which the backend loads between decoding steps."""
+    """One batch with in-flight weight updates: reserved as soon as the queue has room (its prompts drawn, tokenized
+    and its rewards prepared meanwhile), gated before the model first runs on it (the oldest token defines the
+    batch's staleness), then decoded on the newest published weights, which the backend loads between decoding
+    steps."""
     index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle, wait_for_weights=False)
 
     def ready():

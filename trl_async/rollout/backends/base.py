@@ -85,9 +85,10 @@ class GenerationBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_ids: list[list[int]], seed: int | None = None, ready=None) -> GenerationOutput:
-        """Sample one completion per prompt row. `ready()`, if given, is called once the batch is prepared (prompts
-        prefilled where the backend does that apart) and before the first token is sampled: with in-flight weight
-        updates the generation process waits there for recent enough weights."""
+        """Sample one completion per prompt row. `ready()`, if given, is called once the batch is laid out and before
+        the model first runs on it: with in-flight weight updates the generation process waits there for recent enough
+        weights (the batch's oldest token defines its staleness, and its prompts' keys and values are computed by the
+        same weights)."""
 
     @abc.abstractmethod
     def update_weights(self) -> int:

@@ -232,8 +232,7 @@ def generate_with_behaviour_logprobs(
     `seed` seeds the sampling of this batch only (the caller's RNG state is restored afterwards), so a batch is a
     function of (weights, prompts, seed) wherever it is generated: in the generation process or in the trainer.
     `heartbeat()` runs at every decoding step, once that step's scores are recorded (in-flight weight updates load
-    newer weights there, for the next step's forward); `ready()` once the shared prompts are prefilled, before the
-    first token is sampled.
+    newer weights there, for the next step's forward); `ready()` once the batch is laid out, before any forward.
     """
     device = torch.device(device)
     width = max(len(p) for p in prompt_ids)
@@ -249,9 +248,9 @@ def generate_with_behaviour_logprobs(
     rng = torch.random.fork_rng(devices=cuda_devices) if seed is not None else contextlib.nullcontext()
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     with rng, _recording_behaviour_logprobs(model, recorder, policy_recorder):
-        prefilled = _shared_prompt_cache(model, input_ids, attention_mask, generation_config) or {}
-        if ready is not None:
+        if ready is not None:  # before the prefill too: every key/value comes from weights at least this recent
             ready()
+        prefilled = _shared_prompt_cache(model, input_ids, attention_mask, generation_config) or {}
         if seed is not None:
             torch.manual_seed(seed)
         sequences = model.generate(
