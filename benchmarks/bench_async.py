@@ -13,7 +13,9 @@ all alike:
 * `async-dapo`: AsyncGRPOTrainer with TRL's default loss (dapo) and its importance correction, default staleness;
 * `async-m2po`: AsyncGRPOTrainer with loss_type m2po, default staleness;
 * `async-dapo-S2`: dapo with max_staleness=2;
-* `async-vllm` (only when asked for, with `--vllm-python`): dapo with the vLLM backend, in the vLLM environment.
+* `async-vllm` (only when asked for, with `--vllm-python`): dapo with the vLLM backend, in the vLLM environment;
+* `async-dapo-inflight`, `async-dapo-S2-inflight` (asked for with `--contenders`): the same with in-flight weight
+  updates (`inflight_weight_updates=True`), beside the gate-only engine at the same staleness.
 
 Headline: completions left free (the tiny model stops after ~20 tokens; the cap is TRL's default), end to end: the
 seconds of `trainer.train()`, start-up of the generation process included. Ratios are paired per repeat (trl seconds
@@ -52,9 +54,22 @@ CONTENDERS = {
     # of the vLLM environment (--vllm-python; vLLM pins other transformers/torch builds than the main venv), so they
     # run only when asked for: --contenders trl,async-dapo,async-vllm --vllm-python /work/venv-vllm/bin/python.
     "async-vllm": {"trainer": "async", "loss_type": "dapo", "generation_backend": "vllm"},
+    "async-dapo-inflight": {"trainer": "async", "loss_type": "dapo", "inflight_weight_updates": True},
+    "async-dapo-S2-inflight": {
+        "trainer": "async",
+        "loss_type": "dapo",
+        "max_staleness": 2,
+        "inflight_weight_updates": True,
+    },
 }
 DEFAULT_CONTENDERS = ("trl", "async-dapo", "async-m2po", "async-dapo-S2")
-REGIMES = {"free": {"force_length": False}, "forced64": {"force_length": True, "completion_length": 64}}
+REGIMES = {
+    "free": {"force_length": False},
+    "forced64": {"force_length": True, "completion_length": 64},
+    # Past the tiny model's 256 positions with the prompt (RoPE extrapolates; the text is not the point): generation
+    # heavy, as real completion lengths are (asked for with --regimes).
+    "forced256": {"force_length": True, "completion_length": 256},
+}
 
 
 # ------------------------------------------------------------------------------------------------ one run (worker)
@@ -75,7 +90,7 @@ def run_worker(config: dict) -> dict:
 
     length = config.get("completion_length")
     optional = {"max_completion_length": length} if length else {}  # free: TRL's default cap
-    for name in ("max_staleness", "generation_backend"):
+    for name in ("max_staleness", "generation_backend", "inflight_weight_updates"):
         if name in config:
             optional[name] = config[name]
     args = AsyncGRPOConfig(
@@ -111,6 +126,12 @@ def run_worker(config: dict) -> dict:
     trainer.train()
     train_s = time.perf_counter() - start
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    accuracy = None
+    if config.get("eval_accuracy"):  # held-out greedy accuracy after training, beside the reward
+        from trl_async.toy import greedy_accuracy
+
+        held_out = make_arithmetic_dataset(num_train=2000, num_test=500, seed=config["seed"])["test"]
+        accuracy = greedy_accuracy(trainer.accelerator.unwrap_model(trainer.model).eval(), tokenizer, held_out)
     return {
         "config": config,
         "start": start,
@@ -123,6 +144,13 @@ def run_worker(config: dict) -> dict:
         "evicted_rows": sum(h.get("async/evicted", 0.0) for h in logs),
         "staleness_mean": statistics.mean(h.get("async/staleness_mean", 0.0) for h in logs),
         "rows_per_step": 32,
+        "held_out_accuracy": accuracy,
+        "token_age_mean": statistics.mean(
+            h.get("offpolicy/token_age_mean", h.get("async/staleness_mean", 0.0)) for h in logs
+        ),  # fmt: skip
+        "offpolicy_ess": statistics.mean(h["offpolicy/ess"] for h in logs if "offpolicy/ess" in h)
+        if any("offpolicy/ess" in h for h in logs)
+        else None,
     }
 
 
@@ -199,6 +227,9 @@ def summarize(run: dict, warmup_steps: int) -> dict:
         "last_quarter_reward": statistics.mean(run["reward"][-quarter:]),
         "mean_completion_length": run["mean_length"],
         "staleness_mean": run["staleness_mean"],
+        "held_out_accuracy": run.get("held_out_accuracy"),
+        "token_age_mean": run.get("token_age_mean"),
+        "offpolicy_ess": run.get("offpolicy_ess"),
     }
 
 
@@ -219,12 +250,13 @@ def main():
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--regimes", default=",".join(REGIMES), help="free (headline), forced64")
+    parser.add_argument("--regimes", default="free,forced64", help="free (headline), forced64, forced256")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=", ".join(CONTENDERS))
     parser.add_argument(
         "--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="interpreter of the vLLM environment (async-vllm)"
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--eval-accuracy", action="store_true", help="held-out greedy accuracy (500 problems) per run")
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat, free length only")
     parser.add_argument("--tag", default="", help="suffix of the output files")
     parser.add_argument(
@@ -262,7 +294,8 @@ def main():
         "regimes": {},
     }
     for regime in args.regimes.split(","):
-        base = {**REGIMES[regime], "steps": args.steps, "learning_rate": args.learning_rate}
+        base = {**REGIMES[regime], "steps": args.steps, "learning_rate": args.learning_rate,
+                "eval_accuracy": args.eval_accuracy}  # fmt: skip
         probe = spawn("probe", base)
         runs = {name: [] for name in names}
         for repeat in range(args.repeats):
@@ -280,7 +313,14 @@ def main():
         table = {}
         for name in names:
             summaries = [r["summary"] for r in runs[name]]
-            table[name] = {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+            table[name] = {
+                key: statistics.median(s[key] for s in summaries) if summaries[0][key] is not None else None
+                for key in summaries[0]
+            }
+            if args.eval_accuracy:
+                table[name]["accuracy_mean"], table[name]["accuracy_se"] = mean_se(
+                    [s["held_out_accuracy"] for s in summaries]
+                )
             table[name]["reward_mean"], table[name]["reward_se"] = mean_se(
                 [s["last_quarter_reward"] for s in summaries]
             )
