@@ -12,7 +12,9 @@ What changes compared with `GRPOTrainer`, and where (each override calls TRL's m
 * `_compute_loss`: adds `loss_type="m2po"`; for TRL's loss types it is TRL's, with the importance weight computed from
   TRL's own forward when the batch is used within one optimizer step.
 * `log`: adds the `async/*` metrics of the logging window; `_save_checkpoint` / `_load_optimizer_and_scheduler`:
-  save and restore the prompt stream's position; `train`: stops the generation process on every exit path.
+  save and restore the prompt stream's position, and mark a checkpoint incomplete until every file of it is written
+  (`trl_async.checkpoints`); `train`: stops the generation process on every exit path (SIGTERM included) and resumes
+  only from complete checkpoints.
 
 Evaluation (`model.eval()`) and `async_generation=False` use TRL's synchronous path unchanged.
 """
@@ -23,6 +25,7 @@ import contextlib
 import inspect
 import logging
 import os
+import shutil
 import weakref
 
 import torch
@@ -32,6 +35,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import logger as trl_logger
 
+from .checkpoints import (
+    CheckpointSaveError,
+    begin_save,
+    check_resumable,
+    finish_save,
+    last_complete_checkpoint,
+    rotate,
+)
 from .config import async_field, ensure_async_fields, micro_steps_per_generation
 from .hub import ModelCardMixin
 from .importance import fold_into_advantages, truncated_importance_weights
@@ -42,10 +53,35 @@ from .rollout.client import RolloutClient, RolloutSettings
 from .rollout.generator import warm_up_generator_start
 from .rollout.placement import Placement, choose_placement, rank_cores
 from .rollout.prompts import is_iterable_dataset
+from .rollout.termination import exit_on_sigterm
 from .shared_prompt import pack_prompt_groups, prefix_forward, prefix_survives_checkpointing, split_prompt_prefix
 from .unsupported import check_async_supported, check_m2po_supported
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _naming_failed_writes(folder: str, run_dir: str):
+    """Re-raise an error from writing checkpoint `folder` as `CheckpointSaveError`, naming the folder (torch's and
+    safetensors' write errors name no file) and what is left."""
+    try:
+        yield
+    except Exception as error:
+        previous = last_complete_checkpoint(run_dir)
+        try:
+            free = f" ({shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free on its disk)"
+        except OSError:
+            free = ""
+        raise CheckpointSaveError(
+            f"Saving the checkpoint {folder} failed: {type(error).__name__}: {error}. If the disk is full{free} or the "
+            f"folder is not writable, free space or choose another output_dir. {folder} stays marked incomplete and is "
+            "never resumed from; "
+            + (
+                f"the previous complete checkpoint, {previous}, is intact."
+                if previous
+                else "there is no earlier checkpoint."
+            )
+        ) from error
 
 
 class _PublishWeights(TrainerCallback):
@@ -183,15 +219,26 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         return int(gather(torch.tensor([value], device=self.accelerator.device)).max().item())
 
     def _placement(self) -> Placement:
+        """Where this rank's generation process runs, and the split of the rank's thread budget (`OMP_NUM_THREADS`,
+        an earlier `torch.set_num_threads`, or its cores) between it and the trainer (`rollout.placement`)."""
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.accelerator.num_processes))
-        return choose_placement(
+        placement = choose_placement(
             self.args.generation_device,
             self.accelerator.device,
             self.args.generation_num_threads,
             rank_cores(local_world),
             os.environ.get("OMP_NUM_THREADS"),
             lend_idle_cores=self.args.lend_idle_cores,
+            torch_threads=torch.get_num_threads(),
         )
+        if placement.note is not None:
+            logger.warning(placement.note)
+        elif placement.budget is not None:
+            logger.info(
+                "trl_async: thread budget %d (%s): %d for the trainer, %d for its generation process",
+                placement.budget, placement.budget_source, placement.trainer_threads, placement.generator_threads,
+            )  # fmt: skip
+        return placement
 
     def _generator_spec(self, placement: Placement) -> GeneratorSpec:
         """What this rank's generation process needs: TRL's sampling settings, prompt order and reward callables."""
@@ -282,12 +329,22 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
         """Stop this rank's generation process (idempotent). Called automatically when `train()` returns/raises."""
         self._rollout.close()
 
-    def train(self, *args, **kwargs):
-        """`Trainer.train`, plus: the generation process is stopped on return, exception or KeyboardInterrupt."""
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self.close_rollout()
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, plus: the generation process is stopped on return, exception, Ctrl-C or SIGTERM
+        (`rollout.termination`); `resume_from_checkpoint=True` picks the newest *complete* checkpoint, where
+        transformers' `get_last_checkpoint` would pick the newest folder, and a path to a partial one is refused
+        (`trl_async.checkpoints`)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        elif isinstance(resume_from_checkpoint, str):
+            check_resumable(resume_from_checkpoint)
+        with exit_on_sigterm(f"the trainer of rank {self.accelerator.process_index}"):
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                self.close_rollout()
 
     # --------------------------------------------------------------------------------------------- data
     def get_train_dataloader(self):
@@ -659,18 +716,37 @@ class AsyncGRPOTrainer(ModelCardMixin, GRPOTrainer):
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model, trial):
-        """`GRPOTrainer._save_checkpoint`, plus the position of every rank's prompt stream (`trl_async_rollout.json`),
-        so that a resumed run trains on the batch that comes next, with the same per-batch seeds."""
-        super()._save_checkpoint(model, trial)
-        if not self._rollout_started():
-            return
-        states = gather_object([self._rollout.checkpoint_state(self.state.global_step)])
-        if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            if os.path.isdir(folder):
+        """`GRPOTrainer._save_checkpoint`, plus:
+
+        * the position of every rank's prompt stream (`trl_async_rollout.json`), so that a resumed run trains on the
+          batch that comes next, with the same per-batch seeds;
+        * a save that is either complete or known to be partial (`trl_async.checkpoints`): marked incomplete before its
+          first file, complete once every rank wrote its files, and older checkpoints rotated away (Trainer's
+          `save_total_limit`) only then, so an interruption at any point leaves the previous complete checkpoint;
+        * a write that fails (a full disk, a read-only folder) raises `CheckpointSaveError` naming the folder."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit = self.args.save_total_limit
+        with _naming_failed_writes(folder, run_dir):
+            if self.args.should_save:
+                begin_save(folder)
+            self.args.save_total_limit = None  # Trainer's rotation, held back until this checkpoint is complete
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+        states = (
+            gather_object([self._rollout.checkpoint_state(self.state.global_step)])
+            if self._rollout_started()
+            else None
+        )
+        with _naming_failed_writes(folder, run_dir):
+            if self.args.should_save and states is not None and os.path.isdir(folder):
                 RolloutClient.save_checkpoint_state(states, folder)
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are written
+        if self.args.should_save:
+            finish_save(folder)
+            rotate(run_dir, limit, self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """`GRPOTrainer._load_optimizer_and_scheduler` (called only when resuming), plus the prompt stream's saved

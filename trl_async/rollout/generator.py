@@ -474,6 +474,11 @@ class GenerationProcess:
         return None if self.process is None else self.process.pid
 
     @property
+    def rank(self) -> str:
+        """Which training process this generator serves, for errors (with several ranks, each has its own)."""
+        return f"rank {self.spec.process_index}"
+
+    @property
     def launched(self) -> bool:
         """Whether `Process.start` has returned (at once with 'spawn'; with 'forkserver', once the server forked)."""
         return self.process is not None and (self._launcher is None or not self._launcher.is_alive())
@@ -511,11 +516,11 @@ class GenerationProcess:
         if self.process is None:
             return
         if self._launch_error is not None:
-            raise GeneratorError(f"The generation process could not be started: {self._launch_error!r}")
+            raise GeneratorError(f"The generation process of {self.rank} could not be started: {self._launch_error!r}")
         if not self.launched:
             if time.time() - self.started_at > self.startup_timeout:
                 raise GeneratorError(
-                    f"The generation process was not started within generator_startup_timeout="
+                    f"The generation process of {self.rank} was not started within generator_startup_timeout="
                     f"{self.startup_timeout:.0f}s (the fork server did not fork it)."
                 )
             return
@@ -527,23 +532,23 @@ class GenerationProcess:
                 error = self.control.read_error()
             if error is None:
                 raise GeneratorError(
-                    f"The generation process (pid {self.pid}) exited with code {self.process.exitcode} without "
-                    "reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
+                    f"The generation process of {self.rank} (pid {self.pid}) exited with code {self.process.exitcode} "
+                    "without reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
                 )
         if error is not None:
-            raise GeneratorError(f"The generation process (pid {self.pid}) failed:\n{error}")
+            raise GeneratorError(f"The generation process of {self.rank} (pid {self.pid}) failed:\n{error}")
         now = time.time()
         if not self.ready:
             if now - self.started_at > self.startup_timeout:
                 raise GeneratorError(
-                    f"The generation process (pid {self.pid}) did not become ready within "
+                    f"The generation process of {self.rank} (pid {self.pid}) did not become ready within "
                     f"generator_startup_timeout={self.startup_timeout:.0f}s (loading a large model? raise it)."
                 )
             return
         silent_s = now - self.control.heartbeat
         if silent_s > self.heartbeat_timeout:
             raise GeneratorError(
-                f"The generation process (pid {self.pid}) showed no progress for {silent_s:.0f}s "
+                f"The generation process of {self.rank} (pid {self.pid}) showed no progress for {silent_s:.0f}s "
                 f"(generator_heartbeat_timeout={self.heartbeat_timeout:.0f}s); it is presumed hung."
             )
 
