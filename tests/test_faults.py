@@ -9,7 +9,6 @@ tests/scripts/faulty_run.py (its header lists the faults).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -17,10 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from trainer_utils import load_model, load_tokenizer, make_args, pid_is_gone
+from fault_utils import SCRIPT, assert_nothing_left, read
+from trainer_utils import load_model, load_tokenizer, make_args
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_async import AsyncGRPOTrainer
@@ -34,7 +33,6 @@ from trl_async.checkpoints import (
 )
 from trl_async.data import make_arithmetic_dataset
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "faulty_run.py")
 MAX_STEPS, SAVE_STEPS = 12, 3
 
 
@@ -43,36 +41,6 @@ def run_script(output_dir, records, *options, prefix=(), timeout=600) -> subproc
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [*prefix, sys.executable, SCRIPT, "--output-dir", str(output_dir), "--records", str(records), *options]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def read(records, name, rank=0):
-    path = os.path.join(records, f"rank{rank}", name)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        if name.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        return json.load(f)
-
-
-def wait_until_gone(pids, guard_s=120.0) -> list[int]:
-    """The pids still alive after they had `guard_s` to exit (a guard against hanging, not a timing claim)."""
-    deadline = time.monotonic() + guard_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if not pid_is_gone(p)]
-        time.sleep(0.1)
-    return alive
-
-
-def assert_nothing_left(info) -> None:
-    """Every process the trainer started has exited, its spool is removed and /dev/shm holds nothing of it."""
-    assert info is not None, "the run never reached a serving generation process"
-    assert info["janitor_pid"] in info["descendants"] and info["generator_pid"] in info["descendants"]
-    assert wait_until_gone([info["trainer_pid"], *info["descendants"]]) == []
-    assert not os.path.exists(info["spool"])
-    pid = info["trainer_pid"]
-    assert [e for e in os.listdir("/dev/shm") if f"-{pid}-" in e or e.startswith(f"torch_{pid}_")] == []
 
 
 def expected_exit(sig) -> set[int]:

@@ -104,7 +104,7 @@ class Fault:
 
 
 class LengthReward:
-    """A text reward; raises in the generation process of the rank the fault names, from its third call on."""
+    """A text reward; raises in the generation process of the rank the fault names, from its fourth call on."""
 
     __name__ = "length_reward"
 
@@ -113,7 +113,7 @@ class LengthReward:
 
     def __call__(self, completions, **kwargs):
         self.calls += 1
-        if self.rank == self.raise_on_rank and os.getpid() != self.trainer_pid and self.calls >= 3:
+        if self.rank == self.raise_on_rank and os.getpid() != self.trainer_pid and self.calls >= 4:
             raise ValueError(f"this reward fails on purpose on rank {self.rank}")
         return [len(c[0]["content"]) / 50.0 for c in completions]
 
