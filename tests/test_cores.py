@@ -190,20 +190,26 @@ def test_a_generator_on_an_accelerator_leaves_the_trainers_threads_alone():
     assert on_cpu_beside_a_gpu_trainer.trainer_threads is None
 
 
-def test_the_generation_process_and_the_trainer_share_omp_num_threads(tmp_path):
-    """A real run with OMP_NUM_THREADS=3: the generation process scores rewards on 1 thread and the trainer computes
-    its loss on 2, not 1 + 3 as when the generator's threads were added to the user's budget."""
+@pytest.mark.parametrize("budget", [3, 1])
+def test_the_generation_process_and_the_trainer_share_omp_num_threads(tmp_path, budget):
+    """Real runs with OMP_NUM_THREADS=3: the generation process scores rewards on 1 thread and the trainer computes its
+    loss on 2, not 1 + 3 as when the generator's threads were added to the user's budget. With OMP_NUM_THREADS=1, one
+    thread each, and a log line that says so."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "thread_budget_run.py")
     out = tmp_path / "threads.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "3", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(budget), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(out.read_text())
     generator = {tuple(r) for r in seen["rewards"]}
     assert len(generator) == 1 and next(iter(generator))[0] != seen["trainer_pid"]  # all from one other process
     generator_threads = next(iter(generator))[1]
-    assert set(seen["trainer_threads"]) == {2} and generator_threads == 1
-    assert generator_threads + seen["trainer_threads"][0] == 3
+    if budget == 3:
+        assert set(seen["trainer_threads"]) == {2} and generator_threads == 1
+        assert "thread budget is 1" not in proc.stderr
+    else:
+        assert set(seen["trainer_threads"]) == {1} and generator_threads == 1
+        assert "this rank's thread budget is 1 (OMP_NUM_THREADS=1)" in proc.stderr
 
 
 def test_placement_lends_only_where_the_cores_are_split():
