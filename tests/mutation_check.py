@@ -298,6 +298,14 @@ MUTATIONS = [
         "a trainer killed with SIGKILL leaves its spool in /dev/shm",
     ),
     Mutation(
+        "generator_waits_for_its_dead_trainer_to_be_reaped",
+        "trl_async/rollout/generator.py",
+        "        return _is_zombie(parent_pid)\n",
+        "        return False\n",
+        ("tests/test_faults.py::test_sigkill_of_the_trainer_leaves_no_process_and_nothing_in_dev_shm",),
+        "a generation process outlives its killed trainer while the trainer's parent reads their shared output",
+    ),
+    Mutation(
         "sigterm_kills_at_once",
         "trl_async/rollout/termination.py",
         "signal.signal(signal.SIGTERM, handler)",

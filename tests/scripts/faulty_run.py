@@ -10,7 +10,8 @@
 #   signal:<INT|TERM|KILL>@timer:<seed>        ... after a random delay (seeded) once its generation process serves
 #   signal:<INT|TERM|KILL>@saving:<where>:<n>  ... during its n-th checkpoint save, right after <where>: model (the
 #                                              weights), optimizer (optimizer and scheduler), rollout_state (Trainer's
-#                                              part done, trl_async's prompt-stream file next)
+#                                              part done, trl_async's prompt-stream file next); with a ":gated" suffix,
+#                                              once the generation process has filled the queue and waits at the gate
 #   reward_raises@rank:<r>                     a reward function that raises in rank r's generation process
 #   kill_generator@rank:<r>:step:<k>           rank r's trainer SIGKILLs its generation process as step k begins
 #   kill_trainer@rank:<r>:step:<k>             rank r's trainer SIGKILLs itself as step k begins
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: trainer_utils
@@ -89,9 +91,11 @@ class Fault:
     def fire(self) -> None:
         os.kill(os.getpid(), self.signal)
 
-    def during_save(self, where: str, save_index: int) -> None:
+    def during_save(self, where: str, save_index: int, queue) -> None:
         if self.signal is not None and self.where[:1] == ["saving"] and self.where[1] == where:
             if int(self.where[2]) == save_index:
+                if self.where[-1] == "gated":
+                    wait_until_gated(queue)
                 self.fire()
 
     def before_save(self, save_index: int) -> None:
@@ -101,6 +105,17 @@ class Fault:
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         elif self.kind == "read_only":
             subprocess.run(["mount", "-o", "remount,ro", self.output_dir], check=True)
+
+
+def wait_until_gated(queue, guard_s: float = 120.0) -> None:
+    """Until the producer has put every item it reserved and the queue is full: it then waits at the gate, and stays
+    there while the trainer consumes nothing (it is saving)."""
+    counters, deadline = queue._counters, time.monotonic() + guard_s
+    while time.monotonic() < deadline:
+        if counters.produced == counters.reserved and counters.reserved - counters.consumed >= queue.capacity:
+            return
+        time.sleep(0.01)
+    raise RuntimeError("the generation process never filled the queue")
 
 
 class LengthReward:
@@ -146,11 +161,11 @@ class FaultyTrainer(AsyncGRPOTrainer):
     def save_model(self, output_dir=None, _internal_call=False):
         super().save_model(output_dir, _internal_call)
         if _internal_call:
-            self.fault.during_save("model", self.saves)
+            self.fault.during_save("model", self.saves, self._rollout.queue)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         super()._save_optimizer_and_scheduler(output_dir)
-        self.fault.during_save("optimizer", self.saves)
+        self.fault.during_save("optimizer", self.saves, self._rollout.queue)
 
 
 class Injector(TrainerCallback):
@@ -217,7 +232,7 @@ def main(options, records: Records, rank: int):
     original = RolloutClient.save_checkpoint_state
 
     def save_checkpoint_state(states, checkpoint_dir):
-        fault.during_save("rollout_state", trainer.saves)
+        fault.during_save("rollout_state", trainer.saves, trainer._rollout.queue)
         original(states, checkpoint_dir)
 
     RolloutClient.save_checkpoint_state = staticmethod(save_checkpoint_state)

@@ -278,8 +278,11 @@ def _die_with_parent(parent_pid: int) -> None:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent dies
 
-    # Forked from a fork server, the OS parent is that server (which exits when the trainer does), not the trainer:
-    # exit when re-parented, or when the trainer's pid is gone.
+    # Forked from a fork server, the OS parent is that server, not the trainer, and the server outlives the trainer
+    # for as long as this process does (it holds the server's "alive" pipe): exit when re-parented, or when the
+    # trainer is gone. Dead counts as gone before it is reaped: a killed trainer stays a zombie until its own parent
+    # waits for it, and a parent that reads the trainer's output (`subprocess.run(capture_output=True)`) waits for
+    # the end of that output first, which this process, holding the same pipes, would otherwise hold back forever.
     os_parent = os.getppid()
 
     def trainer_gone() -> bool:
@@ -289,7 +292,7 @@ def _die_with_parent(parent_pid: int) -> None:
             return True
         except PermissionError:
             return False
-        return False
+        return _is_zombie(parent_pid)
 
     def watch():
         while True:
@@ -298,6 +301,15 @@ def _die_with_parent(parent_pid: int) -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True, name="trl-async-parent-watch").start()
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped (Linux's /proc; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _trainer_state_reader(path: str):
