@@ -13,9 +13,9 @@ layer). Every `--sample-every` steps, at the end of the step, it samples:
   process, its fork server, the spool janitor, multiprocessing's resource tracker);
 * the files in the queue's spool folder and the /dev/shm entries that belong to the run (named after its pids).
 
-Checks, after the warm-up (`--warmup-steps`; the reference is the sample at its end): RSS of each process never exceeds
-the reference by more than 10%, and no count grows: the smallest value over the last quarter of the samples is at most
-the reference (a transient file open at one sample is not growth; a leak of one per interval is). The one allowance:
+Checks, after the warm-up (`--warmup-steps`; the reference is its last 3 samples): RSS of each process never exceeds
+their mean by more than 10%, and no count grows: the smallest value over the last quarter of the samples is at most
+their largest (a transient file open at one sample is not growth; a leak of one per interval is). The one allowance:
 with core lending, a process's OpenMP pool grows once, from its share of threads to the rank's budget, the first time
 it computes on lent cores (`allowance`). Writes
 benchmarks/results/bench_soak.json (every sample, the checks and their verdicts) and bench_soak.png beside it;
@@ -38,6 +38,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 MODES = {"full": [], "lora": ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"]}  # fmt: skip
 RSS_GROWTH_LIMIT = 0.10
+REFERENCE_SAMPLES = 3  # the end of the warm-up: its last samples
 COUNTS = ("trainer_fds", "generator_fds", "trainer_threads", "generator_threads", "processes", "spool_files", "shm_entries")  # fmt: skip
 
 
@@ -125,25 +126,24 @@ def allowance(key: str, reference: dict) -> int:
 
 
 def checks(samples: list[dict], warmup_steps: int) -> dict:
-    """The soak's verdicts on one run's samples (see the module docstring)."""
-    reference_index = max(i for i, s in enumerate(samples) if s["step"] <= max(warmup_steps, samples[0]["step"]))
-    reference, after = samples[reference_index], samples[reference_index + 1 :]
+    """The soak's verdicts on one run's samples (see the module docstring). The reference is the end of the warm-up,
+    its last `REFERENCE_SAMPLES` samples, so that one sample taken at a dip or a transient does not set it: their mean
+    RSS, and the largest value of each count."""
+    end = max(i for i, s in enumerate(samples) if s["step"] <= max(warmup_steps, samples[0]["step"]))
+    window, after = samples[max(0, end + 1 - REFERENCE_SAMPLES) : end + 1], samples[end + 1 :]
     if len(after) < 2:
         raise ValueError("too few samples after the warm-up: run more steps or sample more often")
     last_quarter = after[-max(2, len(after) // 4) :]
-    result = {"reference_step": reference["step"]}
+    result = {"reference_steps": [s["step"] for s in window]}
     for key in ("trainer_rss_mib", "generator_rss_mib"):
-        growth = max(s[key] for s in after) / reference[key] - 1.0
-        result[key] = {"reference": reference[key], "max_growth": growth, "ok": growth <= RSS_GROWTH_LIMIT}
+        reference = sum(s[key] for s in window) / len(window)
+        growth = max(s[key] for s in after) / reference - 1.0
+        result[key] = {"reference": reference, "max_growth": growth, "ok": growth <= RSS_GROWTH_LIMIT}
     for key in COUNTS:
+        reference = max(s[key] for s in window)
         floor = min(s[key] for s in last_quarter)
-        allowed = reference[key] + allowance(key, reference)
-        result[key] = {
-            "reference": reference[key],
-            "allowed": allowed,
-            "last_quarter_min": floor,
-            "ok": floor <= allowed,
-        }
+        allowed = reference + allowance(key, window[-1])
+        result[key] = {"reference": reference, "allowed": allowed, "last_quarter_min": floor, "ok": floor <= allowed}
     result["ok"] = all(v["ok"] for v in result.values() if isinstance(v, dict))
     return result
 

@@ -32,14 +32,18 @@ def test_a_short_soak_stays_flat(tmp_path):
     for mode, run in runs.items():
         samples = run["samples"]
         assert [s["step"] for s in samples] == list(range(EVERY, STEPS + 1, EVERY)), mode
-        reference = next(s for s in samples if s["step"] == WARMUP)
+        # The end of the warm-up: its last three samples (one sample may sit at a dip or a transient).
+        window = [s for s in samples if WARMUP - 2 * EVERY <= s["step"] <= WARMUP]
         after = [s for s in samples if s["step"] > WARMUP]
+        assert len(window) == 3 and len(after) == (STEPS - WARMUP) // EVERY
         for key in ("trainer_rss_mib", "generator_rss_mib"):
-            assert max(s[key] for s in after) <= 1.10 * reference[key], (mode, key, [s[key] for s in samples])
+            reference = sum(s[key] for s in window) / 3
+            assert max(s[key] for s in after) <= 1.10 * reference, (mode, key, [s[key] for s in samples])
         last_quarter = after[-max(2, len(after) // 4) :]
         for key in COUNTS:
-            pool = reference[key.replace("threads", "pool_growth")] if key.endswith("_threads") else 0
-            assert min(s[key] for s in last_quarter) <= reference[key] + pool, (mode, key, [s[key] for s in samples])
+            pool = window[-1][key.replace("threads", "pool_growth")] if key.endswith("_threads") else 0
+            allowed = max(s[key] for s in window) + pool
+            assert min(s[key] for s in last_quarter) <= allowed, (mode, key, [s[key] for s in samples])
         # What the run owns in /dev/shm: its spool folder, nothing else.
         assert {s["shm_entries"] for s in samples} == {1}, mode
     assert proc.returncode == 0, proc.stdout[-3000:]  # and the benchmark's own verdict agrees
