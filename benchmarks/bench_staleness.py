@@ -9,7 +9,9 @@ two-digit arithmetic (`recipes/configs/tiny.yaml`: 64 rows a step = 8 prompts x 
 learning rate 1e-4 constant, 240 steps, the tensor-native answer reward), 2 CPU cores. PPO uses
 `recipes/configs/tiny_ppo.yaml` (1 completion per prompt, a learned critic, 150 steps).
 
-Each cell is one run of the recipe (`python recipes/qwen_math.py`, a fresh process) with `fixed_staleness=k`: every
+Each cell is one run of the recipe (`python recipes/qwen_math.py`, a fresh process) with `fixed_staleness=k` and
+`lend_idle_cores=false` (fixed thread counts, so that a cell's floating-point sums, hence its samples, do not depend
+on the machine's timing: a cell reruns to the same figures on the same CPU type): every
 generation batch is generated with exactly the weights k versions before the version that trains on it (the first k
 batches with the initial weights), whatever the timing, so a cell is reproducible and k is what the rows really are.
 Contenders (TRL's defaults otherwise):
@@ -92,7 +94,7 @@ def grid(contenders, ks, seeds) -> list[tuple[str, int, int]]:
 def command(contender: str, k: int, seed: int, output_dir: str, steps: int | None) -> list[str]:
     spec = CONTENDERS[contender]
     cmd = [sys.executable, RECIPE, "--config", os.path.join(CONFIGS, spec["config"]), *spec["args"],
-           "--fixed_staleness", str(k), "--max_staleness", str(k), "--seed", str(seed),
+           "--fixed_staleness", str(k), "--max_staleness", str(k), "--seed", str(seed), "--lend_idle_cores", "false",
            "--output_dir", output_dir, "--plot", "false"]  # fmt: skip
     if steps is not None:
         cmd += ["--max_steps", str(steps)]

@@ -59,9 +59,10 @@ def _losses(trainer) -> dict[int, float]:
 
 
 def _stream_state(checkpoint) -> dict:
+    """The saved stream position and version (the run's settings saved beside them are checked on resume, elsewhere)."""
     ranks = json.loads((checkpoint / "trl_async_rollout.json").read_text())["ranks"]
     assert len(ranks) == 1
-    return ranks[0]
+    return {key: ranks[0][key] for key in ("stream_position", "version")}
 
 
 def test_resume_twice_in_a_row_continues_exactly_on_policy(tmp_path, dataset, tokenizer):
