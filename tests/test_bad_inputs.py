@@ -36,9 +36,9 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from trainer_utils import pid_is_gone, shm_entries
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.trainer_utils import pid_is_gone, shm_entries
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rewards import (
     FormatReward,

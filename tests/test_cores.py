@@ -11,8 +11,8 @@ import threading
 
 import pytest
 import torch
-from trainer_utils import answer_reward, load_tokenizer, make_args
 
+from tests.support.trainer_utils import answer_reward, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer
 from trl_async.rollout.cores import GENERATOR, TRAINER, CoreLending
 from trl_async.rollout.placement import choose_placement, thread_budget

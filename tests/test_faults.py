@@ -18,10 +18,10 @@ import subprocess
 import sys
 
 import pytest
-from fault_utils import SCRIPT, assert_nothing_left, read
-from trainer_utils import load_model, load_tokenizer, make_args
 from transformers.trainer_utils import get_last_checkpoint
 
+from tests.support.faults import SCRIPT, assert_nothing_left, read
+from tests.support.trainer_utils import load_model, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer
 from trl_async.checkpoints import (
     begin_save,

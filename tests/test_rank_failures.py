@@ -13,8 +13,9 @@ import subprocess
 import sys
 
 import pytest
-from fault_utils import SCRIPT, assert_nothing_left, read
-from test_distributed import free_port
+
+from tests.support.faults import SCRIPT, assert_nothing_left, read
+from tests.support.trainer_utils import free_port
 
 LAUNCH_TIMEOUT_S = 900  # the script's generator_heartbeat_timeout is 3600 s
 

@@ -11,9 +11,16 @@ import time
 
 import pytest
 import torch
-from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args, pid_is_gone
 from transformers import TrainerCallback
 
+from tests.support.trainer_utils import (
+    WeightTracingTrainer,
+    length_reward,
+    load_model,
+    load_tokenizer,
+    make_args,
+    pid_is_gone,
+)
 from trl_async import AsyncGRPOTrainer
 from trl_async.rollout import GeneratorError
 from trl_async.toy import make_arithmetic_dataset

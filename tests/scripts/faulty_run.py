@@ -26,17 +26,14 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: trainer_utils
-
 import torch  # noqa: E402
-from trainer_utils import load_model, load_tokenizer, make_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from tests.support.trainer_utils import load_model, load_tokenizer, make_args  # noqa: E402
 from trl_async import AsyncGRPOTrainer  # noqa: E402
 from trl_async.rollout.client import RolloutClient  # noqa: E402
 from trl_async.toy import make_arithmetic_dataset  # noqa: E402

@@ -7,9 +7,9 @@ import json
 import os
 import time
 
-from trainer_utils import pid_is_gone
+from tests.support.trainer_utils import pid_is_gone
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "faulty_run.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "faulty_run.py")
 
 
 def read(records, name, rank=0):
