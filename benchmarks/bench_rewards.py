@@ -55,6 +55,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.math_completions import long_completion, make_samples, padded_batch  # noqa: E402
 from trl_async.rewards import (  # noqa: E402
     FormatReward,
     LengthPenalty,
@@ -64,7 +65,6 @@ from trl_async.rewards import (  # noqa: E402
     prepare_rewards,
 )
 from trl_async.rewards._answers import answer_regex, surface_forms  # noqa: E402
-from trl_async.rewards._synthetic import long_completion, make_samples, padded_batch  # noqa: E402
 
 HEADLINE = "decode+regex (prepared) / tensor (prepared)"
 BAR = 20.0

@@ -350,8 +350,8 @@ def sharded():
     if not gpus:
         save("sharded", {"skipped": "no CUDA device (on CPU tests/test_sharded.py covers FSDP2 and ZeRO-3)"})
         return
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_sharded import check_ranks
+    sys.path.insert(0, ROOT)  # the repository: tests/ is a package
+    from tests.test_sharded import check_ranks
 
     plans = [("fsdp2.yaml", "fsdp2", "full", 1)]
     if gpus >= 2:

@@ -291,7 +291,7 @@ REGISTRY: list[Benchmark] = [
         "The vLLM and hf generation backends, one batch at a time",
         "bench_vllm_backends.json",
         {
-            "full": "{vllm_python} tests/vllm_backend/bench_backends.py --rows 256 --max-new-tokens 64 "
+            "full": "{vllm_python} benchmarks/bench_vllm_backends.py --rows 256 --max-new-tokens 64 "
             "--out {results}/bench_vllm_backends.json"
         },
         R.render_vllm_backends,

@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-from trainer_utils import WeightTracingTrainer
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.support.trainer_utils import WeightTracingTrainer
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rollout import GeneratorError
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path

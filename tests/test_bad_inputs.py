@@ -36,11 +36,10 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from trainer_utils import pid_is_gone, shm_entries
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.trainer_utils import pid_is_gone, shm_entries
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.toy import tiny_model_path
 from trl_async.rewards import (
     FormatReward,
     LengthPenalty,
@@ -51,6 +50,7 @@ from trl_async.rewards import (
 )
 from trl_async.rollout import GeneratorError
 from trl_async.rollout.client import RolloutClient
+from trl_async.toy import tiny_model_path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 TABLE_START, TABLE_END = "<!-- cases: start -->", "<!-- cases: end -->"

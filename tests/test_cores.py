@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
-from trainer_utils import answer_reward, load_tokenizer, make_args
 
+from tests.support.trainer_utils import answer_reward, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer
 from trl_async.rollout.cores import GENERATOR, TRAINER, CoreLending
-from trl_async.rollout.placement import choose_placement
+from trl_async.rollout.placement import choose_placement, thread_budget
 from trl_async.rollout.queue import StalenessBoundedQueue
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
@@ -119,6 +122,95 @@ def test_the_queue_reports_idleness_only_while_a_side_blocks():
         queue.cleanup()
 
 
+# ----------------------------------------------------------------------------------------------- thread budget
+def test_the_thread_budget_comes_from_omp_then_an_explicit_torch_count_then_the_cores():
+    assert thread_budget("2", torch_threads=2, cores=2) == (2, "OMP_NUM_THREADS=2")
+    assert thread_budget(" 3 ", torch_threads=8, cores=2) == (3, "OMP_NUM_THREADS=3")  # the user's, even above cores
+    assert thread_budget("1", torch_threads=1, cores=4) == (1, "OMP_NUM_THREADS=1")
+    # torch.set_num_threads(n) below the rank's cores (torch's own default never is).
+    assert thread_budget(None, torch_threads=3, cores=8) == (3, "torch.set_num_threads(3)")
+    assert thread_budget("", torch_threads=1, cores=2) == (1, "torch.set_num_threads(1)")
+    assert thread_budget("0", torch_threads=2, cores=4) == (2, "torch.set_num_threads(2)")  # not a budget: ignored
+    assert thread_budget("two", torch_threads=4, cores=4) == (4, "4 cores for this rank")
+    assert thread_budget(None, torch_threads=16, cores=16) == (16, "16 cores for this rank")
+
+
+@pytest.mark.parametrize(
+    "omp, torch_threads, cores, generation_num_threads, expected",
+    [
+        # (generator, trainer): the two add up to the budget, the generator taking half (at least 1)
+        ("2", 2, 2, None, (1, 2 - 1)),
+        ("3", 3, 2, None, (1, 3 - 1)),
+        ("4", 4, 2, None, (2, 4 - 2)),
+        ("8", 8, 16, None, (4, 8 - 4)),
+        (None, 2, 2, None, (1, 2 - 1)),  # no settings: the rank's cores, as before
+        (None, 16, 16, None, (8, 16 - 8)),
+        (None, 3, 8, None, (1, 3 - 1)),  # torch.set_num_threads(3) on 8 cores
+        ("6", 6, 8, 4, (4, 6 - 4)),  # generation_num_threads overrides the generator's share
+    ],
+)
+def test_the_generator_and_the_trainer_split_the_budget(omp, torch_threads, cores, generation_num_threads, expected):
+    placement = choose_placement(
+        None,
+        torch.device("cpu"),
+        generation_num_threads,
+        cores,
+        omp,
+        lend_idle_cores=True,
+        torch_threads=torch_threads,
+    )
+    assert (placement.generator_threads, placement.trainer_threads) == expected
+    budget = sum(expected)
+    assert placement.budget == budget and placement.note is None
+    assert placement.lend_cores and placement.cores == budget  # a waiting process lends its share: never more in all
+
+
+def test_a_budget_of_one_runs_one_thread_each_and_says_so():
+    on_two_cores = choose_placement(None, torch.device("cpu"), None, 2, "1", lend_idle_cores=True, torch_threads=1)
+    assert (on_two_cores.generator_threads, on_two_cores.trainer_threads) == (1, 1)
+    assert not on_two_cores.lend_cores
+    assert "thread budget is 1 (OMP_NUM_THREADS=1)" in on_two_cores.note and "in parallel" in on_two_cores.note
+    on_one_core = choose_placement(None, torch.device("cpu"), None, 1, None, lend_idle_cores=True, torch_threads=1)
+    assert (on_one_core.generator_threads, on_one_core.trainer_threads) == (1, 1)
+    assert "time-share this rank's one core" in on_one_core.note
+
+
+def test_generation_num_threads_beyond_the_budget_leaves_the_trainer_one_thread_and_says_so():
+    placement = choose_placement(None, torch.device("cpu"), 3, 2, "2", lend_idle_cores=True, torch_threads=2)
+    assert (placement.generator_threads, placement.trainer_threads) == (3, 1)
+    assert "generation_num_threads=3 leaves no thread of this rank's budget of 2" in placement.note
+    assert not placement.lend_cores
+
+
+def test_a_generator_on_an_accelerator_leaves_the_trainers_threads_alone():
+    placement = choose_placement("cuda:1", torch.device("cpu"), None, 8, "4", torch_threads=4)
+    assert (placement.generator_threads, placement.trainer_threads) == (1, None)
+    on_cpu_beside_a_gpu_trainer = choose_placement("cpu", torch.device("cuda:0"), None, 8, "2", torch_threads=2)
+    assert on_cpu_beside_a_gpu_trainer.trainer_threads is None
+
+
+@pytest.mark.parametrize("budget", [3, 1])
+def test_the_generation_process_and_the_trainer_share_omp_num_threads(tmp_path, budget):
+    """Real runs with OMP_NUM_THREADS=3: the generation process scores rewards on 1 thread and the trainer computes its
+    loss on 2, not 1 + 3 as when the generator's threads were added to the user's budget. With OMP_NUM_THREADS=1, one
+    thread each, and a log line that says so."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "thread_budget_run.py")
+    out = tmp_path / "threads.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(budget), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, script, str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    generator = {tuple(r) for r in seen["rewards"]}
+    assert len(generator) == 1 and next(iter(generator))[0] != seen["trainer_pid"]  # all from one other process
+    generator_threads = next(iter(generator))[1]
+    if budget == 3:
+        assert set(seen["trainer_threads"]) == {2} and generator_threads == 1
+        assert "thread budget is 1" not in proc.stderr
+    else:
+        assert set(seen["trainer_threads"]) == {1} and generator_threads == 1
+        assert "this rank's thread budget is 1 (OMP_NUM_THREADS=1)" in proc.stderr
+
+
 def test_placement_lends_only_where_the_cores_are_split():
     cpu = torch.device("cpu")
     assert choose_placement(None, cpu, None, 2, None, lend_idle_cores=True).lend_cores
@@ -160,13 +252,16 @@ class _ThreadCountObserver(AsyncGRPOTrainer):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two cores")
-def test_async_training_lends_cores_and_restores_the_thread_count(tmp_path, monkeypatch):
+def test_async_training_lends_cores_and_restores_the_thread_count(tmp_path, monkeypatch, request):
     """No thread settings (as a user runs it): the trainer and its generation process lend each other the cores. The
     logged share of the trainer's layer passes that ran on every core equals, step by step, the share of passes this
     test saw run on every core (torch's own thread count, read at each pass); the trainer otherwise ran on its share
     of the split. `train()` leaves torch's thread count as it found it."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    threads_at_start = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # torch's default without settings: every core
+    request.addfinalizer(lambda: torch.set_num_threads(threads_at_start))
     cores = len(os.sched_getaffinity(0))
     trainer_share = cores - max(1, cores // 2)  # the generator gets half the cores by default, the trainer the rest
     dataset = make_arithmetic_dataset(num_train=256, num_test=4, seed=0)["train"]

@@ -2,19 +2,14 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.support.trainer_utils import free_port
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_ranks.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_ranks(launcher: list[str], out, loss_type: str = "m2po"):

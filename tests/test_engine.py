@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from trainer_utils import (
+from transformers import TrainerCallback
+
+from tests.support.trainer_utils import (
     WeightTracingTrainer,
     answer_reward,
     length_reward,
@@ -19,8 +21,6 @@ from trainer_utils import (
     load_tokenizer,
     make_args,
 )
-from transformers import TrainerCallback
-
 from trl_async import AsyncGRPOTrainer
 from trl_async.toy import make_arithmetic_dataset
 

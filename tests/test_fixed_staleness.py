@@ -7,8 +7,8 @@ whose log-probs reproduce the behaviour log-probs μ), never from the engine's o
 from __future__ import annotations
 
 import pytest
-from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 
+from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 from trl_async import AsyncGRPOConfig
 from trl_async.toy import make_arithmetic_dataset
 

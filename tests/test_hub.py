@@ -1,6 +1,6 @@
 """Model cards and Hub pushes.
 
-The Hub cannot be reached from our machines, so `tests/hub_stub.py` stands in for it at the HTTP boundary: a local
+The Hub cannot be reached from our machines, so `tests/support/hub/server.py` stands in for it at the HTTP boundary: a local
 server that the real `huggingface_hub` client (and `Trainer.push_to_hub`, `from_pretrained`,
 `PeftModel.from_pretrained`) talks to through `HF_ENDPOINT`. The pushing and loading runs in child processes whose
 environment points the client there (the client reads `HF_ENDPOINT` and `HF_HUB_DISABLE_XET` at import), while the
@@ -32,8 +32,7 @@ from trl_async.toy import tiny_model_path
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
 RECIPE_DIR = os.path.join(ROOT, "recipes")
-sys.path.insert(0, TESTS_DIR)
-from hub_stub import HubStub  # noqa: E402
+from tests.support.hub.server import HubStub  # noqa: E402
 
 BASE_REPO = "trl-async/tiny-qwen2"  # the bundled model, served by the stand-in as if it were on the Hub
 

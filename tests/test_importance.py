@@ -1,27 +1,10 @@
 """Truncated importance weights against the behaviour policy, and why folding them into advantages is exact."""
 
-import math
-
 import pytest
 import torch
 
+from tests.support.references import reference_weights
 from trl_async.algorithms.importance import fold_into_advantages, truncated_importance_weights
-
-
-def reference_weights(current, behaviour, mask, mode, clip_min, clip_max):
-    """Plain-Python re-derivation of TRL 1.16's vLLM importance-sampling ratio."""
-    rows = []
-    for c_row, b_row, m_row in zip(current.tolist(), behaviour.tolist(), mask.tolist(), strict=True):
-        diffs = [(c - b) * m for c, b, m in zip(c_row, b_row, m_row, strict=True)]
-        values = [math.exp(sum(diffs))] if mode.startswith("sequence") else [math.exp(d) for d in diffs]
-        low = -math.inf if clip_min is None else clip_min
-        high = math.inf if clip_max is None else clip_max
-        if mode.endswith("truncate"):
-            values = [min(max(v, low), high) for v in values]
-        else:
-            values = [v if low <= v <= high else 0.0 for v in values]
-        rows.append(values)
-    return torch.tensor(rows, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])

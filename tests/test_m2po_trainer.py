@@ -9,11 +9,17 @@ import sys
 
 import pytest
 import torch
-from test_importance_trainer import make_batch
-from test_losses_authors_code import authors_clip_bounds, authors_m2po_loss
-from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.authors_m2po import authors_clip_bounds, authors_m2po_loss
+from tests.support.trainer_utils import (
+    WeightTracingTrainer,
+    length_reward,
+    load_model,
+    load_tokenizer,
+    make_args,
+    make_batch,
+)
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rewards import MathAnswerReward
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path

@@ -16,8 +16,8 @@ import sys
 from collections import defaultdict
 
 import pytest
-from test_distributed import free_port
-from trainer_utils import pid_is_gone
+
+from tests.support.trainer_utils import free_port, pid_is_gone
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "main_module_rewards.py")
 CONSTANTS = {

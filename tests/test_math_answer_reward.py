@@ -1,6 +1,6 @@
 """MathAnswerReward on the real Qwen tokenizer: accuracy on labelled completions, semantics, text/token agreement.
 
-Labels come from `trl_async/rewards/_synthetic.py`, written by hand per category (not computed by any reward).
+Labels come from `tests/support/math_completions.py`, written by hand per category (not computed by any reward).
 math-verify is scored beside ours and printed per category: it is a comparison, not ground truth (run pytest with
 `-s` to see the table).
 """
@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.math_completions import make_samples, padded_batch
 from trl_async.rewards import MathAnswerReward, math_answer_text_reward
 from trl_async.rewards._answers import answer_suffixes, normalize_answer, surface_forms
-from trl_async.rewards._synthetic import make_samples, padded_batch
 
 
 def _qwen_folder():

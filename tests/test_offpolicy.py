@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 
+from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
 from trl_async.algorithms.importance import truncated_importance_weights
 from trl_async.algorithms.offpolicy import (
     OFFPOLICY_SUM_KEYS,

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_utils import load_model, load_tokenizer, make_args, pid_is_gone
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 from trl import GRPOConfig
 
+from tests.support.trainer_utils import load_model, load_tokenizer, make_args, pid_is_gone
 from trl_async import AsyncPPOConfig, AsyncPPOTrainer
 from trl_async.algorithms.ppo import (
     explained_variance,

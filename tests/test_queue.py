@@ -1,6 +1,7 @@
 """The staleness-bounded queue on its own: gate, eviction, counters, and real producer/consumer processes."""
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -9,6 +10,19 @@ import pytest
 import torch.multiprocessing as torch_mp
 
 from trl_async.rollout import QueueClosed, StalenessBoundedQueue, last_use_version
+
+
+@pytest.fixture(autouse=True)
+def _remove_hand_built_spools():
+    """The queues these tests build by hand are not always `cleanup()`-ed: remove the spool folders this process made
+    during the test (named after its pid), so that the suite leaves nothing in /dev/shm."""
+    prefix = f"trl_async-{os.getpid()}-"
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    yield
+    if os.path.isdir("/dev/shm"):
+        for entry in set(os.listdir("/dev/shm")) - before:
+            if entry.startswith(prefix):
+                shutil.rmtree(os.path.join("/dev/shm", entry), ignore_errors=True)
 
 
 def process_context():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_utils import answer_reward, load_tokenizer, make_args
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from tests.support.trainer_utils import answer_reward, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer, shared_prompt
 from trl_async.shared_prompt import pack_prompt_groups, prefix_forward, split_prompt_prefix
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path

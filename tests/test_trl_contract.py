@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from trainer_utils import length_reward, load_model, load_tokenizer, make_args
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.support.trainer_utils import length_reward, load_model, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
 from trl_async.toy import make_arithmetic_dataset
 from trl_async.trainers import trl_contract

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as torch_mp
 
+from tests.support.weights import read_copy
 from trl_async.rollout import weights
 from trl_async.rollout.weights import SharedWeightStore
 
@@ -114,7 +115,7 @@ def test_concurrent_reader_never_sees_a_torn_snapshot():
 def test_read_copy_returns_an_independent_consistent_snapshot():
     store = make_store()
     store.publish(filled(7).items(), 7)
-    copy, version = store.read_copy()
+    copy, version = read_copy(store)
     assert version == 7 and set(copy) == set(SHAPES)
     for name, (shape, dtype) in SHAPES.items():
         assert copy[name].shape == shape and copy[name].dtype == dtype
@@ -123,7 +124,7 @@ def test_read_copy_returns_an_independent_consistent_snapshot():
     copy["embed.weight"].fill_(-1)  # the copy is the caller's: the store keeps its contents
     store.publish(filled(8).items(), 8)
     assert snapshot_values(copy) == {7.0, -1.0}
-    assert snapshot_values(store.read_copy()[0]) == {8.0}
+    assert snapshot_values(read_copy(store)[0]) == {8.0}
 
 
 def test_publish_and_read_refuse_missing_tensors():
@@ -151,7 +152,7 @@ def test_wait_for_version_returns_when_another_process_publishes():
     publisher.start()
     try:
         assert store.wait_for_version(2, timeout=120) == 3
-        assert snapshot_values(store.read_copy()[0]) == {3.0}
+        assert snapshot_values(read_copy(store)[0]) == {3.0}
     finally:
         publisher.join(10)
 
@@ -238,7 +239,7 @@ def test_a_reader_killed_mid_read_never_blocks_the_next_publish():
         publisher.join(120)  # a bound on a hang only: a blocked writer would never finish
         assert not publisher.is_alive(), "the writer is blocked by the killed reader"
         assert store.version == version
-    copy, read_version = store.read_copy(timeout=5)
+    copy, read_version = read_copy(store, timeout=5)
     assert read_version == version and snapshot_values(copy) == {float(version)}
 
 
@@ -272,7 +273,7 @@ def test_a_writer_killed_mid_publish_yields_an_error_or_a_consistent_snapshot_ne
         os.kill(writer.pid, signal.SIGKILL)
         writer.join(10)
         try:
-            copy, version = store.read_copy(timeout=0.5)
+            copy, version = read_copy(store, timeout=0.5)
         except RuntimeError as error:
             assert "consistent" in str(error)
             refused += 1
@@ -291,5 +292,5 @@ def test_a_failed_publish_does_not_break_later_publishes():
     with pytest.raises(RuntimeError):
         store.publish(wrong.items(), 2)
     store.publish(filled(3).items(), 3)  # the trainer carries on and publishes the next version correctly
-    copy, version = store.read_copy(timeout=0.5)
+    copy, version = read_copy(store, timeout=0.5)
     assert version == 3 and snapshot_values(copy) == {3.0}

@@ -10,7 +10,7 @@ What it does (see README.md next to this file):
    test trees: `stock/` unchanged, `swapped/` with the `GRPOTrainer` import replaced by a thin subclass of
    `AsyncGRPOTrainer` (written by the harness) that records whether each `train()` logged `async/*` metrics.
    Nothing of TRL's is committed to this repository.
-2. Builds offline stand-ins for the Hub models and datasets the tests load (`hub_standins.py`) and points the
+2. Builds offline stand-ins for the Hub models and datasets the tests load (`tests/support/hub/cache.py`) and points the
    Hugging Face clients at them with `HF_HUB_OFFLINE=1`.
 3. Collects the tests, drops the excluded ones (`EXCLUDED`, each with its reason), and runs the rest in both trees
    (`pytest -p no:cacheprovider`, per-test timeout, `OMP_NUM_THREADS=1`, `nice -n 15`), with `--package-path`
@@ -48,10 +48,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO_ROOT))  # run as a script: the repository's packages (this folder, the Hub stand-in)
 
-import hub_standins  # noqa: E402
-from swap_module import SWAP_MODULE_SOURCE  # noqa: E402
+from benchmarks.trl_compat.swap_module import SWAP_MODULE_SOURCE  # noqa: E402
+from tests.support.hub import cache as hub_standins  # noqa: E402
 
 DEFAULT_OUTPUT = REPO_ROOT / "benchmarks" / "results" / "trl_compat.json"
 TEST_FILE = "tests/test_grpo_trainer.py"

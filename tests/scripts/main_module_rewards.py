@@ -16,8 +16,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl_async.toy import tiny_model_path
 from trl_async.rewards import TensorReward, tensor_reward
+from trl_async.toy import tiny_model_path
 
 output_dir = sys.argv[1]
 CALLS = os.path.join(output_dir, f"calls-{os.environ.get('RANK', '0')}.txt")

@@ -27,6 +27,7 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from tests.support.weights import read_copy
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rollout.gather import is_dtensor, is_zero3_parameter, model_sharding
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
@@ -205,7 +206,7 @@ def main():
     for kind, store in stores.items():
         if store is None:
             continue
-        published, version = store.read_copy()
+        published, version = read_copy(store)
         store_names[kind] = sorted(published)
         store_vs_final[kind] = {
             "version": version,
@@ -236,7 +237,7 @@ def main():
         "plain_names": plain_names,
         "wrapped_names": wrapped_names,
         "store_checksum": {
-            kind: sum(t.double().abs().sum().item() for t in store.read_copy()[0].values())
+            kind: sum(t.double().abs().sum().item() for t in read_copy(store)[0].values())
             for kind, store in stores.items()
             if store is not None
         },

@@ -7,16 +7,14 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.trainer_utils import WeightTracingTrainer  # noqa: E402
 from trl_async import AsyncGRPOConfig
 from trl_async.rewards import MathAnswerReward, math_answer_text_reward
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from trainer_utils import WeightTracingTrainer  # noqa: E402
-
 
 class RecordingTrainer(WeightTracingTrainer):
-    """Staleness measured from the weights that really generated each batch (tests/trainer_utils.py), not from the
+    """Staleness measured from the weights that really generated each batch (tests/support/trainer_utils.py), not from the
     engine's tags."""
 
     def _compute_loss(self, model, inputs):

@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not importable: run in the vLLM environment (bash .ci/vllm_env.sh)")
 
 import torch  # noqa: E402
-from vllm_helpers import (  # noqa: E402
+
+from tests.support.vllm import (  # noqa: E402
     EOS,
     PAD,
     engine_sequence_logprobs,
@@ -23,7 +24,6 @@ from vllm_helpers import (  # noqa: E402
     tiny_model,
     tiny_prompts,
 )
-
 from trl_async.rollout.backends.vllm import VLLMBackend, sampling_kwargs  # noqa: E402
 
 TOLERANCE = 1e-3  # float32 engine vs float32 transformers, as the bar

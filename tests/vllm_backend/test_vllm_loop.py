@@ -9,7 +9,8 @@ import queue  # noqa: E402
 
 import torch  # noqa: E402
 import torch.multiprocessing as torch_mp  # noqa: E402
-from vllm_helpers import (  # noqa: E402
+
+from tests.support.vllm import (  # noqa: E402
     engine_child,
     generation_config,
     hf_logits,

@@ -6,7 +6,8 @@ pytest.importorskip("vllm", reason="vLLM is not importable: run in the vLLM envi
 
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from vllm_helpers import (  # noqa: E402
+
+from tests.support.vllm import (  # noqa: E402
     EOS,
     PAD,
     engine_sequence_logprobs,
@@ -19,7 +20,6 @@ from vllm_helpers import (  # noqa: E402
     tiny_model,
     tiny_prompts,
 )
-
 from trl_async.rollout.backends.vllm import VLLMBackend, merge_lora_weights  # noqa: E402
 
 TOLERANCE = 1e-3

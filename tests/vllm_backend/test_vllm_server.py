@@ -18,7 +18,8 @@ import time  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from vllm_helpers import (  # noqa: E402
+
+from tests.support.vllm import (  # noqa: E402
     EOS,
     PAD,
     generation_config,
@@ -29,7 +30,6 @@ from vllm_helpers import (  # noqa: E402
     tiny_model,
     tiny_prompts,
 )
-
 from trl_async.rollout.backends.vllm import VLLMServerBackend, serve_environment, vllm_serve_command  # noqa: E402
 from trl_async.toy import tiny_model_path  # noqa: E402
 

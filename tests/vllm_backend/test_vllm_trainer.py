@@ -8,8 +8,6 @@ the batch is tagged with.
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,11 +15,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not importable here: these tests run in the vLLM environment (`bash .ci/vllm_env.sh`).",
 )
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared trainer helpers
 
-from trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args  # noqa: E402
 from trl_async import AsyncGRPOTrainer  # noqa: E402
 from trl_async.toy import make_arithmetic_dataset  # noqa: E402
 

@@ -83,17 +83,19 @@ class AsyncGRPOConfig(GRPOConfig):
     generation_num_threads: int | None = field(
         default=None,
         metadata={
-            "help": "torch CPU threads of the generation process. Default: half of this rank's CPU cores (at least "
-            "1); when both processes compute on the CPU, the trainer keeps the other half."
+            "help": "torch CPU threads of the generation process. Default: half of this rank's thread budget (at "
+            "least 1): OMP_NUM_THREADS, else a torch.set_num_threads made before training, else the rank's CPU cores. "
+            "When both processes compute on the CPU, the trainer keeps the rest of the budget (at least 1)."
         },
     )
     lend_idle_cores: bool = field(
         default=True,
         metadata={
-            "help": "When the trainer and the generation process share a rank's CPU cores (both on CPU, "
-            "OMP_NUM_THREADS unset), lend a waiting process's share to the other: the trainer computes on every core "
-            "while the generator waits at the staleness gate, the generator while the trainer waits on the queue "
-            "(see trl_async/rollout/cores.py). False: each keeps its fixed share. Ignored with the vLLM backend."
+            "help": "When the trainer and the generation process split a rank's thread budget (both on CPU, a "
+            "budget of 2 or more threads), lend a waiting process's share to the other: the trainer computes on the "
+            "whole budget while the generator waits at the staleness gate, the generator while the trainer waits on "
+            "the queue (see trl_async/rollout/cores.py). False: each keeps its fixed share. Ignored with the vLLM "
+            "backend."
         },
     )
     trainer_generates_while_starting: bool = field(

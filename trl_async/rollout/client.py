@@ -37,6 +37,7 @@ from .backends import generate_with_behaviour_logprobs, generation_config_for_ro
 from .cores import TRAINER, CoreLending
 from .gather import clean_parameter_name, full_placeholders, iter_full_parameters, model_sharding
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, default_start_method
+from .janitor import SpoolJanitor
 from .payload import RolloutPayload
 from .placement import Placement
 from .queue import StalenessBoundedQueue
@@ -91,6 +92,7 @@ class RolloutClient:
         self.all_reduce_max = all_reduce_max  # None with one process
         self.process: GenerationProcess | None = None
         self.queue: StalenessBoundedQueue | None = None
+        self._janitor: SpoolJanitor | None = None  # removes the queue's spool if this process is killed
         self.frozen_store = self.trainable_store = None
         self._trainable_names: list[str] = []
         self._local: RolloutProducer | None = None
@@ -176,6 +178,7 @@ class RolloutClient:
             # Opened once the generation process is ready, unless the trainer waits for it from the start.
             start_index=None if generates_while_starting else 0,
         )
+        self._janitor = SpoolJanitor(self.queue.spool_dir)
         self.queue.publish(version)
         # The split applies from the spawn on, not from when the queue opens: the child's start-up (imports, model
         # build) keeps one core busy, and a trainer that kept every core would oversubscribe them, which costs far
@@ -224,7 +227,9 @@ class RolloutClient:
                 torch.set_num_threads(self._threads_before)
         if self.queue is not None:
             self.queue.cleanup()
-        self.process = self.queue = self.frozen_store = self.trainable_store = self._local = None
+        if self._janitor is not None:
+            self._janitor.release()
+        self.process = self.queue = self._janitor = self.frozen_store = self.trainable_store = self._local = None
         self._restored = None
 
     def check_health(self) -> None:

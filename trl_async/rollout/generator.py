@@ -296,8 +296,11 @@ def _die_with_parent(parent_pid: int) -> None:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the parent dies
 
-    # Forked from a fork server, the OS parent is that server (which exits when the trainer does), not the trainer:
-    # exit when re-parented, or when the trainer's pid is gone.
+    # Forked from a fork server, the OS parent is that server, not the trainer, and the server outlives the trainer
+    # for as long as this process does (it holds the server's "alive" pipe): exit when re-parented, or when the
+    # trainer is gone. Dead counts as gone before it is reaped: a killed trainer stays a zombie until its own parent
+    # waits for it, and a parent that reads the trainer's output (`subprocess.run(capture_output=True)`) waits for
+    # the end of that output first, which this process, holding the same pipes, would otherwise hold back forever.
     os_parent = os.getppid()
 
     def trainer_gone() -> bool:
@@ -307,7 +310,7 @@ def _die_with_parent(parent_pid: int) -> None:
             return True
         except PermissionError:
             return False
-        return False
+        return _is_zombie(parent_pid)
 
     def watch():
         while True:
@@ -316,6 +319,15 @@ def _die_with_parent(parent_pid: int) -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True, name="trl-async-parent-watch").start()
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped (Linux's /proc; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _trainer_state_reader(path: str):
@@ -524,6 +536,11 @@ class GenerationProcess:
         return None if self.process is None else self.process.pid
 
     @property
+    def rank(self) -> str:
+        """Which training process this generator serves, for errors (with several ranks, each has its own)."""
+        return f"rank {self.spec.process_index}"
+
+    @property
     def launched(self) -> bool:
         """Whether `Process.start` has returned (at once with 'spawn'; with 'forkserver', once the server forked)."""
         return self.process is not None and (self._launcher is None or not self._launcher.is_alive())
@@ -561,11 +578,11 @@ class GenerationProcess:
         if self.process is None:
             return
         if self._launch_error is not None:
-            raise GeneratorError(f"The generation process could not be started: {self._launch_error!r}")
+            raise GeneratorError(f"The generation process of {self.rank} could not be started: {self._launch_error!r}")
         if not self.launched:
             if time.time() - self.started_at > self.startup_timeout:
                 raise GeneratorError(
-                    f"The generation process was not started within generator_startup_timeout="
+                    f"The generation process of {self.rank} was not started within generator_startup_timeout="
                     f"{self.startup_timeout:.0f}s (the fork server did not fork it)."
                 )
             return
@@ -577,24 +594,26 @@ class GenerationProcess:
                 error = self.control.read_error()
             if error is None:
                 raise GeneratorError(
-                    f"The generation process (pid {self.pid}) exited with code {self.process.exitcode} without "
-                    "reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
+                    f"The generation process of {self.rank} (pid {self.pid}) exited with code {self.process.exitcode} "
+                    "without reporting an error (killed by a signal or by the OS, e.g. out of memory?)."
                 )
         if error is not None:  # the child's own message first: it says what to do
             summary, _, details = error.partition("\n")
-            raise GeneratorError(f"{summary}\n(raised in the generation process, pid {self.pid})\n{details}")
+            raise GeneratorError(
+                f"{summary}\n(raised in the generation process of {self.rank}, pid {self.pid})\n{details}"
+            )
         now = time.time()
         if not self.ready:
             if now - self.started_at > self.startup_timeout:
                 raise GeneratorError(
-                    f"The generation process (pid {self.pid}) did not become ready within "
+                    f"The generation process of {self.rank} (pid {self.pid}) did not become ready within "
                     f"generator_startup_timeout={self.startup_timeout:.0f}s (loading a large model? raise it)."
                 )
             return
         silent_s = now - self.control.heartbeat
         if silent_s > self.heartbeat_timeout:
             raise GeneratorError(
-                f"The generation process (pid {self.pid}) showed no progress for {silent_s:.0f}s "
+                f"The generation process of {self.rank} (pid {self.pid}) showed no progress for {silent_s:.0f}s "
                 f"(generator_heartbeat_timeout={self.heartbeat_timeout:.0f}s); it is presumed hung."
             )
 

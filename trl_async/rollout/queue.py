@@ -438,10 +438,12 @@ class StalenessBoundedQueue:
 
 
 def _make_spool_dir() -> str:
+    # The owner's pid in the name tells whose folder it is (`ls /dev/shm`).
+    prefix = f"trl_async-{os.getpid()}-"
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
         try:
-            return tempfile.mkdtemp(prefix="trl_async-", dir=shm)
+            return tempfile.mkdtemp(prefix=prefix, dir=shm)
         except OSError:
             pass
-    return tempfile.mkdtemp(prefix="trl_async-")
+    return tempfile.mkdtemp(prefix=prefix)

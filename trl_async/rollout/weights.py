@@ -112,11 +112,6 @@ class SharedWeightStore:
                 return version
         raise RuntimeError("could not read a consistent weight snapshot (the writer never paused)")
 
-    def read_copy(self, timeout: float = 300.0) -> tuple[dict[str, torch.Tensor], int]:
-        """A consistent snapshot as new CPU tensors (for backends that load weights from tensors); and its version."""
-        copy = {name: torch.empty_like(buffer) for name, buffer in self.buffers.items()}
-        return copy, self.read_into(copy, timeout=timeout)
-
 
 def named_trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]

@@ -40,11 +40,20 @@ from trl.trainer.grpo_trainer import logger as trl_logger
 
 from ..algorithms.m2po import m2po_metrics, m2po_select, m2po_select_global
 from ..algorithms.offpolicy import OffPolicyWindow, log_histogram_to_trackers, m2po_offpolicy_sums, row_age_counts
+from ..checkpoints import (
+    begin_save,
+    check_resumable,
+    finish_save,
+    last_complete_checkpoint,
+    naming_failed_writes,
+    rotate,
+)
 from ..config import async_field
 from ..hub import ModelCardMixin
 from ..rollout.client import CHECKPOINT_FILE, RolloutBatch, RolloutClient, RolloutSettings
 from ..rollout.generator import warm_up_generator_start
 from ..rollout.prompts import is_iterable_dataset
+from ..rollout.termination import exit_on_sigterm
 from ..schedule import micro_steps_per_generation, versions_until_last_use
 from ..unsupported import check_async_supported
 from ..validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
@@ -211,14 +220,25 @@ class AsyncRolloutMixin(ModelCardMixin):
         """Stop this rank's generation process (idempotent). Called automatically when `train()` returns/raises."""
         self._rollout.close()
 
-    def train(self, *args, **kwargs):
-        """`Trainer.train`, plus: a checkpoint to resume from is checked against this run first
-        (`validation.check_resume`), and the generation process is stopped on return, exception or KeyboardInterrupt."""
-        try:
-            check_resume(self, kwargs.get("resume_from_checkpoint", args[0] if args else None))
-            return super().train(*args, **kwargs)
-        finally:
-            self.close_rollout()
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, plus:
+
+        * `resume_from_checkpoint=True` picks the newest *complete* checkpoint, where transformers' `get_last_checkpoint`
+          would pick the newest folder, and a path to a partial one is refused (`trl_async.checkpoints`); the
+          checkpoint is checked against this run (`validation.check_resume`);
+        * the generation process is stopped on return, exception, Ctrl-C or SIGTERM (`rollout.termination`)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        elif isinstance(resume_from_checkpoint, str):
+            check_resumable(resume_from_checkpoint)
+        with exit_on_sigterm(f"the trainer of rank {self.accelerator.process_index}"):
+            try:
+                check_resume(self, resume_from_checkpoint)
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                self.close_rollout()
 
     @contextlib.contextmanager
     def _hand_off(self, **inputs):
@@ -488,20 +508,37 @@ class AsyncRolloutMixin(ModelCardMixin):
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model, trial):
-        """`GRPOTrainer._save_checkpoint`, plus the position of every rank's prompt stream (`trl_async_rollout.json`),
-        so that a resumed run trains on the batch that comes next, with the same per-batch seeds."""
-        super()._save_checkpoint(model, trial)
-        if not self._rollout_started():
-            return
-        state = self._rollout.checkpoint_state(self.state.global_step)
-        state["run"] = run_geometry(self.args, self.accelerator.num_processes, self.train_dataset)  # checked on resume
-        states = gather_object([state])
-        if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            if os.path.isdir(folder):
+        """`GRPOTrainer._save_checkpoint`, plus:
+
+        * the position of every rank's prompt stream (`trl_async_rollout.json`, with the run's batch settings, checked
+          on resume), so that a resumed run trains on the batch that comes next, with the same per-batch seeds;
+        * a save that is either complete or known to be partial (`trl_async.checkpoints`): marked incomplete before its
+          first file, complete once every rank wrote its files, and older checkpoints rotated away (Trainer's
+          `save_total_limit`, held back during Trainer's save, which rotates at its end) only then;
+        * a write that fails (a full disk, a read-only folder) raises `CheckpointSaveError` naming the folder."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit = self.args.save_total_limit
+        with naming_failed_writes(folder, run_dir):
+            if self.args.should_save:
+                begin_save(folder)
+            self.args.save_total_limit = None  # Trainer's rotation, held back until this checkpoint is complete
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+        states = None
+        if self._rollout_started():
+            state = self._rollout.checkpoint_state(self.state.global_step)
+            state["run"] = run_geometry(self.args, self.accelerator.num_processes, self.train_dataset)
+            states = gather_object([state])
+        with naming_failed_writes(folder, run_dir):
+            if self.args.should_save and states is not None and os.path.isdir(folder):
                 RolloutClient.save_checkpoint_state(states, folder)
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are written
+        if self.args.should_save:
+            finish_save(folder)
+            rotate(run_dir, limit, self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """`GRPOTrainer._load_optimizer_and_scheduler` (called only when resuming), plus the prompt stream's saved

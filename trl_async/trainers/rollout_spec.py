@@ -6,6 +6,7 @@ Functions of the trainer, read once when the generation process starts (the firs
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -15,18 +16,30 @@ from ..rollout import GeneratorSpec, ModelSpec
 from ..rollout.placement import Placement, choose_placement, rank_cores
 from ..rollout.prompts import is_iterable_dataset
 
+logger = logging.getLogger(__name__)
+
 
 def placement(trainer) -> Placement:
-    """Where this rank's generation process runs and how the rank's CPU cores are split (`rollout.placement`)."""
+    """Where this rank's generation process runs, and the split of the rank's thread budget (`OMP_NUM_THREADS`, an
+    earlier `torch.set_num_threads`, or its cores) between it and the trainer (`rollout.placement`)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", trainer.accelerator.num_processes))
-    return choose_placement(
+    where = choose_placement(
         trainer.args.generation_device,
         trainer.accelerator.device,
         trainer.args.generation_num_threads,
         rank_cores(local_world),
         os.environ.get("OMP_NUM_THREADS"),
         lend_idle_cores=trainer.args.lend_idle_cores,
+        torch_threads=torch.get_num_threads(),
     )
+    if where.note is not None:
+        logger.warning(where.note)
+    elif where.budget is not None:
+        logger.info(
+            "trl_async: thread budget %d (%s): %d for the trainer, %d for its generation process",
+            where.budget, where.budget_source, where.trainer_threads, where.generator_threads,
+        )  # fmt: skip
+    return where
 
 
 def generator_spec(trainer, where: Placement) -> GeneratorSpec:

@@ -3,7 +3,7 @@
 Both backends run in this process on the same prompts, with the same threads; each repeat times one batch of each,
 back to back, after publishing new weights, so the paired ratio vllm/hf is robust to a shared machine's load.
 
-    OMP_NUM_THREADS=1 python tests/vllm_backend/bench_backends.py [--rows 64] [--max-new-tokens 32] [--repeats 7]
+    OMP_NUM_THREADS=1 python benchmarks/bench_vllm_backends.py [--rows 64] [--max-new-tokens 32] [--repeats 7]
 
 Writes benchmarks/results/bench_vllm_backends.json (or --out): the settings, each backend's start-up seconds, and per
 repeat each backend's weight-update seconds, generation seconds and generated tokens.
@@ -16,12 +16,23 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 if __name__ == "__main__":  # vLLM may start processes: keep the work behind the guard
     import torch
-    from vllm_helpers import EOS, PAD, generation_config, model_spec, perturb_, stores_for, tiny_model, tiny_prompts
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: its test helpers
+    from tests.support.vllm import (
+        EOS,
+        PAD,
+        generation_config,
+        model_spec,
+        perturb_,
+        stores_for,
+        tiny_model,
+        tiny_prompts,
+    )
     from trl_async.rollout.backends import HFBackend
     from trl_async.rollout.backends.vllm import VLLMBackend
 
@@ -33,9 +44,7 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--out",
-        default=os.path.join(
-            os.path.dirname(__file__), "..", "..", "benchmarks", "results", "bench_vllm_backends.json"
-        ),
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_vllm_backends.json"),
         help="JSON results path",
     )
     args = parser.parse_args()
@@ -96,7 +105,7 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     import vllm
 
     record = {
-        "command": "OMP_NUM_THREADS=1 python tests/vllm_backend/bench_backends.py"
+        "command": "OMP_NUM_THREADS=1 python benchmarks/bench_vllm_backends.py"
         + f" --rows {args.rows} --generations {args.generations} --max-new-tokens {args.max_new_tokens}"
         + f" --repeats {args.repeats} --threads {args.threads}",
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

@@ -1,4 +1,4 @@
-"""Checks of the trl_compat harness itself: `python -m pytest benchmarks/trl_compat/test_harness.py`.
+"""Checks of the trl_compat harness itself: `python -m pytest tests/test_trl_compat_harness.py`.
 
 The harness's numbers are only as good as its pieces: the import swap must replace exactly TRL's class, the
 stand-ins must be read by the real Hugging Face clients offline, the recorder must report pytest's outcomes, and the
@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.trl_compat import run_trl_compat
+from benchmarks.trl_compat.swap_module import SWAP_MODULE_SOURCE
+from tests.support.hub import cache as hub_standins
 
-import hub_standins  # noqa: E402
-import run_trl_compat  # noqa: E402
-from swap_module import SWAP_MODULE_SOURCE  # noqa: E402
+HERE = Path(run_trl_compat.__file__).resolve().parent
 
 TRL_MIRROR = Path("/work/.mirror/huggingface+trl/repo")
 

@@ -37,7 +37,7 @@ Usage in a test::
 
 From a shell (a newcomer's local Hub)::
 
-    python tests/hub_stub.py --port 8765   # then, in another shell, export the variables it prints
+    python -m tests.support.hub.server --port 8765   # then, in another shell, export the variables it prints
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -134,3 +135,42 @@ class WeightTracingTrainer(AsyncGRPOTrainer):
             self.tagged_staleness.append(version - tagged)
             self.tag_is_true.append(tagged in generating)
         return super()._compute_loss(model, inputs)
+
+
+def make_batch(tokenizer, model, seed=0, batch=6, width=9):
+    """A batch dict as TRL builds it, with behaviour log-probs μ that differ from the current policy."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [tokenizer(f"What is {i}+{2 * i}?")["input_ids"] for i in range(batch)]
+    plen = max(len(p) for p in prompts)
+    prompt_ids = torch.full((batch, plen), tokenizer.pad_token_id)
+    prompt_mask = torch.zeros(batch, plen, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        prompt_ids[row, plen - len(ids) :] = torch.tensor(ids)
+        prompt_mask[row, plen - len(ids) :] = 1
+    completion_ids = torch.randint(3, model.config.vocab_size, (batch, width), generator=generator)
+    lengths = torch.tensor([width, width - 2, 4, width, 1, 6][:batch])
+    completion_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], 1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+        ).logits[:, plen - 1 : -1]
+        policy = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    behaviour = (policy + 0.3 * torch.randn(policy.shape, generator=generator)) * completion_mask
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch, generator=generator),
+        "num_items_in_batch": completion_mask.sum(),
+        "sampling_per_token_logps": behaviour,
+        "rollout_versions": torch.zeros(batch, dtype=torch.long),
+    }, policy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,239 @@
+"""Interrupts and failed writes, with real processes: Ctrl-C, SIGTERM and SIGKILL to the trainer at chosen and random
+moments (during a checkpoint save included), and a full, size-limited or read-only disk at checkpoint time.
+
+After each: the trainer's generation process, spool janitor and every other process it started are gone, nothing of
+it is left in /dev/shm, the newest *complete* checkpoint is the one the run finished last (a partial one is never taken
+for it), and a run resumed with `resume_from_checkpoint=True` continues from it to the end. The runs are
+tests/scripts/faulty_run.py (its header lists the faults).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from transformers.trainer_utils import get_last_checkpoint
+
+from tests.support.faults import SCRIPT, assert_nothing_left, read
+from tests.support.trainer_utils import load_model, load_tokenizer, make_args
+from trl_async import AsyncGRPOTrainer
+from trl_async.checkpoints import (
+    begin_save,
+    check_resumable,
+    finish_save,
+    incomplete_marker,
+    is_complete_checkpoint,
+    last_complete_checkpoint,
+)
+from trl_async.toy import make_arithmetic_dataset
+
+MAX_STEPS, SAVE_STEPS = 12, 3
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def run_script(output_dir, records, *options, prefix=(), timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [*prefix, sys.executable, SCRIPT, "--output-dir", str(output_dir), "--records", str(records), *options]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def expected_exit(sig) -> set[int]:
+    # SIGTERM: trl_async's SystemExit(143). SIGINT: KeyboardInterrupt, which Python turns into death by SIGINT (-2) or
+    # exit status 130. SIGKILL: death by SIGKILL.
+    return {signal.SIGTERM: {143}, signal.SIGINT: {-signal.SIGINT, 130}, signal.SIGKILL: {-signal.SIGKILL}}[sig]
+
+
+def interrupt_and_resume(tmp_path, fault: str, sig) -> dict:
+    """Run with `fault`, check what it left, resume; returns what the checks saw."""
+    out, records = tmp_path / "out", tmp_path / "records"
+    run = run_script(out, records, "--fault", fault, "--save-total-limit", "1")
+    assert run.returncode in expected_exit(sig), (run.returncode, run.stderr[-3000:])
+    if sig == signal.SIGTERM:
+        assert "the trainer of rank 0 received SIGTERM" in run.stderr
+    assert_nothing_left(read(records, "info.json"))
+    saved = [r["step"] for r in read(records, "saved.jsonl") or []]
+    # The newest complete checkpoint is the last save that returned; any newer folder is partial.
+    newest = last_complete_checkpoint(str(out))
+    assert newest == (str(out / f"checkpoint-{saved[-1]}") if saved else None), (newest, saved)
+    partial = [p for p in sorted(out.glob("checkpoint-*")) if p.is_dir() and str(p) != newest]
+    for folder in partial:
+        assert not is_complete_checkpoint(str(folder))
+        with pytest.raises(ValueError, match="partial checkpoint"):
+            check_resumable(str(folder))
+    if newest is None:
+        return {"saved": saved, "partial": partial}
+    resumed_records = tmp_path / "resumed"
+    resumed = run_script(out, resumed_records, "--phase", "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read(resumed_records, "train.json") == {"first_step": saved[-1], "last_step": MAX_STEPS}
+    assert_nothing_left(read(resumed_records, "info.json"))
+    return {"saved": saved, "partial": partial}
+
+
+# --------------------------------------------------------------------------------------------------- pure rules
+def _fake_checkpoint(folder, complete=True):
+    os.makedirs(folder)
+    if complete:
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+            f.write("{}")
+
+
+def test_a_checkpoint_is_complete_with_its_trainer_state_and_without_a_marker(tmp_path):
+    folder = str(tmp_path / "checkpoint-4")
+    begin_save(folder)
+    _fake_checkpoint(folder)
+    assert os.path.exists(incomplete_marker(folder)) and not is_complete_checkpoint(folder)
+    finish_save(folder)
+    assert is_complete_checkpoint(folder)
+    _fake_checkpoint(str(tmp_path / "checkpoint-5"), complete=False)  # interrupted before Trainer's last file
+    assert not is_complete_checkpoint(str(tmp_path / "checkpoint-5"))
+    _fake_checkpoint(str(tmp_path / "checkpoint-1"))  # written by TRL or transformers: no marker, complete
+    assert is_complete_checkpoint(str(tmp_path / "checkpoint-1"))
+
+
+def test_the_newest_complete_checkpoint_is_found_by_step_not_by_name(tmp_path):
+    for step in (2, 10, 12):
+        _fake_checkpoint(str(tmp_path / f"checkpoint-{step}"))
+    begin_save(str(tmp_path / "checkpoint-14"))
+    _fake_checkpoint(str(tmp_path / "checkpoint-14"))
+    _fake_checkpoint(str(tmp_path / "checkpoint-16"), complete=False)
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-16")  # what transformers would resume
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")
+    with pytest.raises(ValueError, match=r"checkpoint-14.*partial.*'.*checkpoint-12', the newest complete"):
+        check_resumable(str(tmp_path / "checkpoint-14"))
+    with pytest.raises(ValueError, match=r"checkpoint-16.*no trainer_state.json"):
+        check_resumable(str(tmp_path / "checkpoint-16"))
+    check_resumable(str(tmp_path / "checkpoint-10"))  # complete: no error
+
+
+def test_train_refuses_a_partial_checkpoint_and_resumes_true_only_from_a_complete_one(tmp_path):
+    out = tmp_path / "out"
+    _fake_checkpoint(str(out / "checkpoint-2"), complete=False)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=make_args(tmp_path), train_dataset=make_arithmetic_dataset(num_train=16, num_test=2)["train"],
+        processing_class=load_tokenizer(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="partial checkpoint"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+# --------------------------------------------------------------------------------------------------- interrupts
+def test_sigterm_during_a_save_keeps_the_previous_checkpoint_with_save_total_limit_1(tmp_path):
+    """SIGTERM after Trainer wrote (and, untouched, would have rotated) checkpoint-6 and before trl_async's last file:
+    checkpoint-6 looks complete to transformers, yet the resume starts from checkpoint-3, which a save_total_limit of
+    1 must not have deleted."""
+    seen = interrupt_and_resume(tmp_path, "signal:TERM@saving:rollout_state:2", signal.SIGTERM)
+    assert seen["saved"] == [3]
+    assert [p.name for p in seen["partial"]] == ["checkpoint-6"]
+    assert get_last_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "checkpoint-6")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_weights_are_written(tmp_path):
+    seen = interrupt_and_resume(tmp_path, "signal:INT@saving:model:2", signal.SIGINT)
+    assert seen["saved"] == [3] and [p.name for p in seen["partial"]] == ["checkpoint-6"]
+
+
+def test_sigkill_of_the_trainer_leaves_no_process_and_nothing_in_dev_shm(tmp_path):
+    """The trainer runs no code: the spool janitor removes the spool, and the generation process, waiting at the gate
+    (so nothing it writes fails), notices its trainer died although the trainer, a zombie, is not reaped until this
+    test has read all of the run's output, which the generation process holds open too."""
+    seen = interrupt_and_resume(tmp_path, "signal:KILL@saving:optimizer:2:gated", signal.SIGKILL)
+    assert seen["saved"] == [3]
+
+
+@pytest.mark.slow
+def test_interrupts_at_random_moments(tmp_path):
+    rng = random.Random(2025)
+    moments = ["step", "timer", "saving:model", "saving:optimizer", "saving:rollout_state"]
+    for trial in range(8):
+        sig = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+        moment = rng.choice(moments)
+        if moment == "step":
+            where = f"step:{rng.randint(2, MAX_STEPS - 1)}"
+        elif moment == "timer":
+            where = f"timer:{rng.randint(0, 10**6)}"
+        else:
+            where = f"{moment}:{rng.randint(1, 3)}"
+        name = {signal.SIGINT: "INT", signal.SIGTERM: "TERM", signal.SIGKILL: "KILL"}[sig]
+        interrupt_and_resume(tmp_path / str(trial), f"signal:{name}@{where}", sig)
+
+
+# --------------------------------------------------------------------------------------------------- full disks
+def _namespace_prefix() -> list[str] | None:
+    """`unshare` into a user and mount namespace where this process may mount a tmpfs, if the system allows it."""
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+        capture_output=True,
+    )
+    return ["unshare", "--user", "--map-root-user", "--mount"] if probe.returncode == 0 else None
+
+
+def _check_failed_save(tmp_path, run, records, resumed_records):
+    assert run.returncode != 0
+    exit_record = read(records, "exit.json")
+    assert exit_record["type"] == "CheckpointSaveError", exit_record
+    folder = str(tmp_path / "out" / "checkpoint-6")
+    assert f"Saving the checkpoint {folder} failed" in exit_record["message"]
+    assert (
+        f"the previous complete checkpoint, {tmp_path / 'out' / 'checkpoint-3'}, is intact" in exit_record["message"]
+    )
+    assert read(records, "saved.jsonl") == [{"step": 3}]
+    assert_nothing_left(read(records, "info.json"))
+    # The previous checkpoint loads and training resumes from it (run where the disk is: inside the namespace).
+    assert read(resumed_records, "exit.json") == {"type": None}
+    assert read(resumed_records, "train.json") == {"first_step": 3, "last_step": MAX_STEPS}
+    assert_nothing_left(read(resumed_records, "info.json"))
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_at_checkpoint_time_names_the_folder_and_keeps_the_previous_one(tmp_path):
+    """RLIMIT_FSIZE makes every larger write fail (EFBIG) as a full disk would, wherever this runs."""
+    records, resumed = tmp_path / "records", tmp_path / "resumed"
+    run = run_script(tmp_path / "out", records, "--fault", "file_size_limit@save:2")
+    assert run.returncode != 0
+    resume = run_script(tmp_path / "out", resumed, "--phase", "resume")
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    _check_failed_save(tmp_path, run, records, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", ["tmpfs_full", "read_only"])
+def test_a_full_or_read_only_disk_at_checkpoint_time(tmp_path, disk):
+    """A real 20 MB tmpfs as output_dir (one checkpoint of the tiny model fits, two do not: ENOSPC), or the same tmpfs
+    remounted read-only before the second save (EROFS). It lives in a private mount namespace, so the resumed run
+    runs there too, before the namespace (and the tmpfs) goes."""
+    prefix = _namespace_prefix()
+    if prefix is None:
+        pytest.skip("this system does not let an unprivileged process mount a tmpfs (unshare --user --mount)")
+    out, records, resumed = tmp_path / "out", tmp_path / "records", tmp_path / "resumed"
+    out.mkdir()
+    fault = "none" if disk == "tmpfs_full" else "read_only@save:2"
+    script = " ".join([sys.executable, SCRIPT, "--output-dir", str(out)])
+    shell = (
+        f"mount -t tmpfs -o size=20m tmpfs {out} && "
+        f"{script} --records {records} --fault {fault}; echo $? > {tmp_path / 'run_status'}; "
+        f"mount -o remount,rw {out} && rm -rf {out}/checkpoint-6 && {script} --records {resumed} --phase resume"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([*prefix, "sh", "-c", shell], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = subprocess.CompletedProcess([], int((tmp_path / "run_status").read_text()))
+    _check_failed_save(tmp_path, run, records, resumed)
+    message = read(records, "exit.json")["message"]
+    if disk == "tmpfs_full":  # torch's own error says "unexpected pos": the message adds how full the disk is
+        free_mib = float(re.search(r"([0-9.]+) MiB free on its disk", message).group(1))
+        assert free_mib < 4.0  # less than the model's weights (4 MB)
+    else:
+        assert "Read-only file system" in message
