@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from trainer_utils import length_reward, load_model, load_tokenizer, make_args
+from tests.support.trainer_utils import length_reward, load_model, load_tokenizer, make_args
 from transformers import DynamicCache, GenerationConfig
 
 from trl_async import AsyncGRPOTrainer
