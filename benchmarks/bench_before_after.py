@@ -61,6 +61,12 @@ def main_job(checkout: str, steps: int | None) -> float:
             return json.load(f)["seconds"]
 
 
+def git_commit(checkout: str) -> str | None:
+    """The checkout's commit (None outside git), so the results name the code they compared."""
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
 def paired(before: list[float], after: list[float]) -> dict:
     ratios = [b / a for b, a in zip(before, after, strict=True)]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "per_pair": ratios,
@@ -81,6 +87,7 @@ def main(argv=None) -> None:
     from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     report = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after), "pairs": args.pairs,
+              "commits": {"before": git_commit(args.before), "after": git_commit(args.after)},
               "environment": {"removed_from_the_environment": ["OMP_NUM_THREADS", "MKL_NUM_THREADS"]}, "jobs": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         data_file = os.path.join(tmp, "prompts.jsonl")

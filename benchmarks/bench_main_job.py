@@ -4,6 +4,7 @@
     python benchmarks/bench_main_job.py --pairs 1 --max_steps 40 # quick check
     python benchmarks/bench_main_job.py --seeds 1,2,3            # one pair per seed: the seed-to-seed spread
     python benchmarks/bench_main_job.py --regime accelerate_launch   # the same under `accelerate launch`
+    python benchmarks/bench_main_job.py --regime omp_num_threads_2   # the user exported OMP_NUM_THREADS=2
 
 Each run is the main job, `recipes/qwen_math.py` with the default (tiny) config, in a fresh process. The synchronous
 run is the same command with `--async_generation false`: the same config, the same class, TRL's generation in the
@@ -19,6 +20,9 @@ Cores (`--regime`): both arms must be given the same cores, or the ratio measure
   or a thread count is given), so the synchronous arm trains and generates on one core, while the asynchronous arm
   runs its generation process on a second one. The ratio is larger than the same-cores one for that reason; it is
   what a user of `accelerate launch` on a CPU machine sees.
+* `omp_num_threads_2`: `OMP_NUM_THREADS=2 python recipes/qwen_math.py`, a user who set a thread count (2 on the
+  2-core machine). The synchronous arm's torch uses 2 threads; the asynchronous arm's trainer and generation process
+  share that budget (issue 25's thread budget) instead of each taking it.
 Before the runs, a probe started through the same launcher with the same environment records what the recipe sees
 (OMP_NUM_THREADS, torch's thread count, the usable cores): `environment` in the JSON.
 
@@ -55,9 +59,20 @@ LAUNCHERS = {
     "same_cores": [sys.executable],
     "accelerate_launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
                           "--mixed_precision", "no", "--dynamo_backend", "no"],
+    "omp_num_threads_2": [sys.executable],
 }  # fmt: skip
-COMMANDS = {"same_cores": "python recipes/qwen_math.py", "accelerate_launch": "accelerate launch recipes/qwen_math.py"}
-DEFAULT_OUT = {"same_cores": "bench_main_job.json", "accelerate_launch": "bench_main_job_accelerate.json"}
+# The thread settings each regime puts in the environment (after removing the user's).
+REGIME_THREADS = {"same_cores": {}, "accelerate_launch": {}, "omp_num_threads_2": {"OMP_NUM_THREADS": "2"}}
+COMMANDS = {
+    "same_cores": "python recipes/qwen_math.py",
+    "accelerate_launch": "accelerate launch recipes/qwen_math.py",
+    "omp_num_threads_2": "OMP_NUM_THREADS=2 python recipes/qwen_math.py",
+}
+DEFAULT_OUT = {
+    "same_cores": "bench_main_job.json",
+    "accelerate_launch": "bench_main_job_accelerate.json",
+    "omp_num_threads_2": "bench_main_job_omp2.json",
+}
 # What the recipe sees, printed by a script started exactly like the recipe.
 THREAD_PROBE = (
     "import json, os, torch; print(json.dumps({'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS'), "
@@ -66,9 +81,10 @@ THREAD_PROBE = (
 )
 
 
-def run_env() -> dict:
-    """The environment of every run: the user's, without thread settings (a user who sets none)."""
+def run_env(regime: str = "same_cores") -> dict:
+    """The environment of every run: the user's without thread settings, plus those the regime sets."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(REGIME_THREADS[regime])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return env
@@ -79,7 +95,7 @@ def probe_environment(regime: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(THREAD_PROBE + "\n")
     try:
-        proc = subprocess.run([*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(), cwd=ROOT)
+        proc = subprocess.run([*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(regime), cwd=ROOT)
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
@@ -101,7 +117,7 @@ def run_once(
         cmd += ["--max_steps", str(max_steps)]
     if seed is not None:  # the recipe's --seed (TrainingArguments) seeds the model's sampling and its dataset split
         cmd += ["--seed", str(seed)]
-    env = run_env()
+    env = run_env(regime)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
@@ -218,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         choices=sorted(LAUNCHERS),
         default="same_cores",
         help="same_cores: `python recipes/qwen_math.py`, both arms on every core (the headline); accelerate_launch: "
-        "`accelerate launch recipes/qwen_math.py`, whose launcher gives the synchronous arm one core",
+        "`accelerate launch recipes/qwen_math.py`, whose launcher gives the synchronous arm one core; "
+        "omp_num_threads_2: `OMP_NUM_THREADS=2 python recipes/qwen_math.py`",
     )
     parser.add_argument(
         "--recipe_args", default="", help="further recipe arguments for every run, e.g. '--eval_max_samples 50'"
@@ -264,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
         "regime": args.regime,
         "environment": {
             "removed_from_the_environment": ["OMP_NUM_THREADS", "MKL_NUM_THREADS"],
+            "set_by_the_regime": REGIME_THREADS[args.regime],
             "seen_by_the_recipe": environment,
         },
         "pairs": len(seeds),

@@ -133,6 +133,11 @@ REGIME_TEXT = {
         "on a second one: this ratio includes that extra core. It is what a user of `accelerate launch` on a CPU "
         "machine sees, not a same-cores comparison."
     ),
+    "omp_num_threads_2": (
+        "Both runs are started with `OMP_NUM_THREADS=2 python recipes/qwen_math.py` (a user who set a thread count, "
+        "2 on the 2-core machine): the synchronous run's torch uses 2 threads, and the asynchronous run's trainer "
+        "and generation process share that budget of 2."
+    ),
 }
 
 
@@ -229,6 +234,8 @@ def summary_main_job(section: Section) -> list[Row]:
         "generation, both on every core: training time",
         "accelerate_launch": "The same under `accelerate launch` (its launcher gives the synchronous run one core "
         "on a CPU-only machine)",
+        "omp_num_threads_2": "The same with `OMP_NUM_THREADS=2` set by the user (both runs share a budget of 2 "
+        "threads)",
     }[main_job_regime(data)]
     return [(what, f"**{fmt_ratio(main_job_speedups(data))}** ({med['async']:.0f} s vs {med['sync']:.0f} s)")]
 
@@ -375,8 +382,16 @@ ASYNC_LABELS = {
     "async-m2po": "async, `m2po`",
     "async-dapo-S2": "async, `dapo`, `max_staleness=2`",
     "async-vllm": "async, `dapo`, vLLM backend",
+    "async-dapo-inflight": "async, `dapo`, default staleness, in-flight weight updates",
+    "async-dapo-S2-inflight": "async, `dapo`, `max_staleness=2`, in-flight weight updates",
 }
-REGIME_LABELS = {"free": "free-length completions", "forced64": "completions forced to 64 tokens"}
+REGIME_LABELS = {
+    "free": "free-length completions",
+    "forced64": "completions forced to 64 tokens",
+    "forced256": "completions forced to 256 tokens",
+}
+# In-flight contender -> the gate-only contender at the same max_staleness (issue 24's comparison).
+INFLIGHT_PAIRS = {"async-dapo-inflight": "async-dapo", "async-dapo-S2-inflight": "async-dapo-S2"}
 
 
 def async_regime(section: Section) -> tuple[str, dict]:
@@ -412,6 +427,7 @@ def render_async(section: Section) -> str:
     regime, entry = async_regime(section)
     runs = entry["runs"]
     repeats = len(runs["trl"])
+    has_accuracy = all(r.get("held_out_accuracy") is not None for rs in runs.values() for r in rs)
     out = [
         f"The bundled tiny model on generated arithmetic, 4 prompts × 8 completions a step, {data.get('steps')} steps, "
         f"{REGIME_LABELS.get(regime, regime)}, every contender at TRL's default configuration, each run a fresh "
@@ -437,11 +453,20 @@ def render_async(section: Section) -> str:
             steady = fmt_ratio(
                 [steady_rows_per_s(c) / steady_rows_per_s(b) for b, c in zip(runs["trl"], rs, strict=True)], "repeats"
             )
-        rows.append([ASYNC_LABELS.get(name, name), num(statistics.median(r["train_s"] for r in rs), ".1f"), e2e,
-                     steady, waits, int(evicted), num(length, ".1f"), fmt_mean_se(quarter)])  # fmt: skip
-    out.append(table(["contender", "train s (median)", "end to end vs TRL", "steady state vs TRL",
-                      "waiting after step 5: trainer / generator (median share)", "rows evicted",
-                      "mean completion tokens", f"reward, last quarter (± s.e. over {repeats})"], rows))  # fmt: skip
+        row = [ASYNC_LABELS.get(name, name), num(statistics.median(r["train_s"] for r in rs), ".1f"), e2e,
+               steady, waits, int(evicted), num(length, ".1f"), fmt_mean_se(quarter)]  # fmt: skip
+        if has_accuracy:
+            row.append(fmt_mean_se([r["held_out_accuracy"] for r in rs]))
+        rows.append(row)
+    header = ["contender", "train s (median)", "end to end vs TRL", "steady state vs TRL",
+              "waiting after step 5: trainer / generator (median share)", "rows evicted",
+              "mean completion tokens", f"reward, last quarter (± s.e. over {repeats})"]  # fmt: skip
+    if has_accuracy:
+        header.append(f"held-out accuracy, 500 problems (± s.e. over {repeats})")
+    out.append(table(header, rows))
+    inflight = render_inflight_against_gate(entry, repeats)
+    if inflight:
+        out += ["", inflight]
     probe = entry.get("probe")
     if probe:
         g, t = probe["generate_s"], probe["train_s"]
@@ -458,10 +483,45 @@ def render_async(section: Section) -> str:
     return "\n".join(out + (["", pictures] if pictures else []))
 
 
+def inflight_ratios(entry: dict, name: str) -> tuple[list[float], list[float]]:
+    """Gate-only seconds / in-flight seconds per repeat, end to end and steady state (> 1: in-flight is faster)."""
+    gate, inflight = entry["runs"][INFLIGHT_PAIRS[name]], entry["runs"][name]
+    e2e = [g["train_s"] / f["train_s"] for g, f in zip(gate, inflight, strict=True)]
+    steady = [steady_rows_per_s(f) / steady_rows_per_s(g) for g, f in zip(gate, inflight, strict=True)]
+    return e2e, steady
+
+
+def render_inflight_against_gate(entry: dict, repeats: int) -> str:
+    """Issue 24's comparison: each in-flight contender against the gate-only engine at the same max_staleness."""
+    rows = []
+    for name, gate in INFLIGHT_PAIRS.items():
+        if name not in entry["runs"] or gate not in entry["runs"]:
+            continue
+        e2e, steady = inflight_ratios(entry, name)
+        pairs = list(zip(entry["runs"][gate], entry["runs"][name], strict=True))
+        accuracy = "–"
+        if all(g.get("held_out_accuracy") is not None and f.get("held_out_accuracy") is not None for g, f in pairs):
+            accuracy = fmt_mean_se([f["held_out_accuracy"] - g["held_out_accuracy"] for g, f in pairs], signed=True)
+        ages = [f["token_age_mean"] for _, f in pairs if f.get("token_age_mean") is not None]
+        rows.append([ASYNC_LABELS.get(name, name), fmt_ratio(e2e, "repeats"), fmt_ratio(steady, "repeats"), accuracy,
+                     num(statistics.median(ages), ".2f") if ages else "–"])  # fmt: skip
+    if not rows:
+        return ""
+    intro = (
+        "In-flight weight updates against the gate-only engine at the same `max_staleness` (same repeat, paired): "
+        "gate-only seconds / in-flight seconds (> 1: in-flight is faster), and the held-out accuracy difference "
+        f"in-flight − gate-only (± s.e. over {repeats} repeats)."
+    )
+    header = ["in-flight contender", "end to end vs gate-only", "steady state vs gate-only",
+              "held-out accuracy, in-flight − gate-only", "mean token age (optimizer steps, median of runs)"]  # fmt: skip
+    return "\n".join([intro, "", table(header, rows)])
+
+
 def summary_async(section: Section) -> list[Row]:
     regime, entry = async_regime(section)
     short = {"async-dapo": "`dapo`", "async-m2po": "`m2po`", "async-dapo-S2": "`dapo`, staleness 2",
-             "async-vllm": "vLLM backend"}  # fmt: skip
+             "async-vllm": "vLLM backend", "async-dapo-inflight": "`dapo` in-flight",
+             "async-dapo-S2-inflight": "`dapo`, staleness 2, in-flight"}  # fmt: skip
     cells = [
         f"{short.get(n, n)} {fmt_ratio(async_speedups(entry, n), 'repeats')}" for n in entry["runs"] if n != "trl"
     ]
@@ -470,7 +530,17 @@ def summary_async(section: Section) -> list[Row]:
         f"`AsyncGRPOTrainer` vs `GRPOTrainer` at TRL's defaults, tiny model, {steps} steps of 4 × 8 rows, "
         f"{REGIME_LABELS.get(regime, regime)}: end to end"
     )
-    return [(what, "; ".join(cells))]
+    rows = [(what, "; ".join(cells))]
+    inflight = [n for n in INFLIGHT_PAIRS if n in entry["runs"] and INFLIGHT_PAIRS[n] in entry["runs"]]
+    if inflight:
+        what = (
+            "In-flight weight updates vs the gate-only engine at the same staleness, "
+            f"{REGIME_LABELS.get(regime, regime)}: end to end"
+        )
+        cells = [f"staleness {2 if 'S2' in n else 1}: {fmt_ratio(inflight_ratios(entry, n)[0], 'repeats')}"
+                 for n in inflight]  # fmt: skip
+        rows.append((what, "; ".join(cells)))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------ components
@@ -810,6 +880,151 @@ def render_vllm_backends(section: Section) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ generic
+
+
+# ------------------------------------------------------------------------------------------------ staleness
+
+STALENESS_LABELS = {
+    "dapo_is": "`dapo` + TRL's importance correction",
+    "dapo_no_is": "`dapo`, no correction",
+    "m2po_paper": "`m2po` (`paper` rule)",
+    "m2po_all_tokens": "`m2po` (`all_tokens` rule)",
+    "ppo": "`AsyncPPOTrainer`",
+}
+
+
+def staleness_cells(data: dict) -> dict[tuple[str, int], list[dict]]:
+    """(contender, k) -> the cell's runs, one per seed."""
+    cells: dict = {}
+    for cell in data["cells"].values():
+        cells.setdefault((cell["contender"], cell["k"]), []).append(cell)
+    return cells
+
+
+def staleness_table(cells: dict, field: str, digits: int) -> str:
+    contenders = [c for c in STALENESS_LABELS if any(key[0] == c for key in cells)]
+    ks = sorted({k for _, k in cells})
+    rows = []
+    for contender in contenders:
+        row = [STALENESS_LABELS[contender]]
+        for k in ks:
+            values = [r[field] for r in cells.get((contender, k), []) if r.get(field) is not None]
+            row.append(f"{fmt_mean_se(values, digits)} (n={len(values)})" if values else "")
+        rows.append(row)
+    return table(["loss"] + [f"k = {k}" for k in ks], rows)
+
+
+def render_staleness(section: Section) -> str:
+    data = section.first
+    cells = staleness_cells(data)
+    seeds = sorted({r["seed"] for runs in cells.values() for r in runs})
+    before = statistics.median(r["accuracy_before"] for runs in cells.values() for r in runs)
+    out = [
+        f"Regime: {data['regime']}. Every cell is one run of the recipe with `fixed_staleness=k`: each generation "
+        "batch is generated with exactly the weights k optimizer steps older than the ones that train on it, so k is "
+        f"what the rows really are. Seeds {seeds}; mean ± standard error over the seeds of a cell (n). "
+        "[docs/staleness.md](../docs/staleness.md) reads the figures.",
+    ]
+    for title, field, digits in (
+        (f"Held-out greedy accuracy after training (500 problems; {before:.3f} before training)", "accuracy_after", 3),
+        ("Mean reward over the last quarter of steps", "last_quarter_reward", 3),
+        ("E[δ²] of log π − log μ before the loss's treatment (`offpolicy/delta_sq_before`, mean over the steps "
+         "after the first k)", "offpolicy/delta_sq_before", 4),
+        ("Normalized effective sample size of π/μ per batch (`offpolicy/ess`)", "offpolicy/ess", 3),
+        ("Tokens the loss masks (`offpolicy/masked_fraction`)", "offpolicy/masked_fraction", 4),
+        ("Variance of the gradient norm over the steps after the first k", "grad_norm_variance", 4),
+    ):  # fmt: skip
+        out += ["", f"{title}:", "", staleness_table(cells, field, digits)]
+    pictures = section.pictures(
+        [("bench_staleness_accuracy.png", "accuracy against k")]
+        + [(f"bench_staleness_reward_k{k}.png", f"reward curves at k = {k}") for k in (0, 8, 32)]
+    )
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def summary_staleness(section: Section) -> list[Row]:
+    cells = staleness_cells(section.first)
+    ks = [k for k in (0, 8, 32) if any(key[1] == k for key in cells)]
+    parts = []
+    for contender in ("dapo_is", "dapo_no_is", "m2po_paper"):
+        means = [mean_se([r["accuracy_after"] for r in cells.get((contender, k), [])])[0] for k in ks]
+        parts.append(f"{STALENESS_LABELS[contender]} " + " / ".join(num(m, ".2f") for m in means))
+    n = min(len(runs) for runs in cells.values())
+    what = (
+        f"Held-out accuracy after training at a fixed staleness k = {' / '.join(map(str, ks))} (tiny model; mean over "
+        f"≥ {n} seeds per cell)"
+    )
+    return [(what, "; ".join(parts))]
+
+
+# ------------------------------------------------------------------------------------------------ soak
+
+
+def render_soak(section: Section) -> str:
+    data = section.first
+    out = [
+        f"Command: `{data.get('command')}`. The tiny job for {data['steps']} asynchronous optimizer steps per mode "
+        f"(a fresh process each), sampled every {data['sample_every']} steps; warm-up {data['warmup_steps']} steps. "
+        f"Checks after the warm-up: RSS within {data['rss_growth_limit']:.0%} of the end of the warm-up, and no "
+        "count grows (the smallest value over the last quarter of the samples at most the largest at the end of the "
+        "warm-up).",
+        "",
+    ]
+    rows = []
+    for mode, run in data["runs"].items():
+        samples, checks = run["samples"], run["checks"]
+        first, last = samples[0], samples[-1]
+        rss = [v for k, v in checks.items() if k.endswith("rss_mib")]
+        rows.append([mode, len(samples), num(run.get("wall_seconds"), ".0f"),
+                     " / ".join(f"{first[k]:.0f} → {last[k]:.0f}" for k in ("trainer_rss_mib", "generator_rss_mib")),
+                     " / ".join(f"{v['max_growth']:+.1%}" for v in rss),
+                     " / ".join(f"{first[k]} → {last[k]}" for k in ("trainer_fds", "generator_fds")),
+                     f"{first['processes']} → {last['processes']}", f"{first['shm_entries']} → {last['shm_entries']}",
+                     "flat" if checks["ok"] else "**grows**"])  # fmt: skip
+    out.append(table(["mode", "samples", "wall s", "RSS MiB trainer / generator, first → last sample",
+                      "largest RSS growth after warm-up, trainer / generator", "open files trainer / generator",
+                      "processes", "/dev/shm entries", "verdict"], rows))  # fmt: skip
+    pictures = section.pictures([("bench_soak.png", "every sample")])
+    return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def summary_soak(section: Section) -> list[Row]:
+    data = section.first
+    growth = [v["max_growth"] for run in data["runs"].values() for k, v in run["checks"].items()
+              if k.endswith("rss_mib")]  # fmt: skip
+    verdict = "flat" if data["ok"] else "**something grows**"
+    what = f"{data['steps']} asynchronous steps, LoRA and full fine-tuning: RSS, open files, processes, /dev/shm"
+    return [(what, f"{verdict} (largest RSS growth after warm-up {max(growth):+.1%})")]
+
+
+# ------------------------------------------------------------------------------------------------ before / after
+
+BEFORE_AFTER_JOBS = {
+    "docs_style": "the TRL-docs-style script with `AsyncGRPOTrainer` (120 steps)",
+    "main_job": "the main job, `python recipes/qwen_math.py` (240 steps, no evaluation)",
+}
+
+
+def render_before_after(section: Section) -> str:
+    data = section.first
+    commits = data.get("commits", {})
+    out = [
+        f"The same user jobs on two checkouts, in alternating pairs (before {str(commits.get('before'))[:10]}, after "
+        f"{str(commits.get('after'))[:10]}), each run a fresh process with OMP_NUM_THREADS and MKL_NUM_THREADS "
+        "removed. Ratio: before seconds / after seconds of `trainer.train()` per pair (> 1: the newer code is faster).",
+        "",
+    ]
+    rows = []
+    for job, r in data["jobs"].items():
+        rows.append([BEFORE_AFTER_JOBS.get(job, job), num(statistics.median(r["before_s"]), ".1f"),
+                     num(statistics.median(r["after_s"]), ".1f"), fmt_ratio(r["per_pair"])])  # fmt: skip
+    out.append(table(["job", "before, median s", "after, median s", "before / after"], rows))
+    return "\n".join(out)
+
+
+def summary_before_after(section: Section) -> list[Row]:
+    cells = [f"{job}: {fmt_ratio(r['per_pair'])}" for job, r in section.first["jobs"].items()]
+    return [("The same user jobs before and after the trainer restructuring (> 1: after is faster)", "; ".join(cells))]
 
 
 def render_generic(section: Section) -> str:

@@ -86,6 +86,8 @@ MAIN_JOB = "{python} benchmarks/bench_main_job.py"
 SMOKE_RECIPE = "--max_steps 4 --recipe_args '--eval_max_samples 8'"  # a few steps, a few held-out problems
 ASYNC = "{python} benchmarks/bench_async.py"
 NO_THREAD_SETTINGS = {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
+# bench_async's default contenders plus in-flight weight updates at staleness 1 and 2 (issue 24)
+WITH_INFLIGHT = "trl,async-dapo,async-m2po,async-dapo-S2,async-dapo-inflight,async-dapo-S2-inflight"
 
 REGISTRY: list[Benchmark] = [
     Benchmark(
@@ -117,6 +119,20 @@ REGISTRY: list[Benchmark] = [
             "`python benchmarks/bench_main_job.py --pairs 2 --out benchmarks/results/bench_main_job_s20.json` "
             "(before `--regime` existed: always `accelerate launch`)",
         ),
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "main_job_omp2",
+        "The main job with `OMP_NUM_THREADS=2` set by the user (a thread budget both arms share)",
+        "bench_main_job_omp2.json",
+        {
+            "smoke": f"{MAIN_JOB} --regime omp_num_threads_2 --pairs 1 {SMOKE_RECIPE} "
+            "--out {results}/bench_main_job_omp2.json",
+            "quick": f"{MAIN_JOB} --regime omp_num_threads_2 --pairs 1 --out {{results}}/bench_main_job_omp2.json",
+            "full": f"{MAIN_JOB} --regime omp_num_threads_2 --pairs 3 --out {{results}}/bench_main_job_omp2.json",
+        },
+        R.render_main_job,
+        R.summary_main_job,
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(
@@ -159,7 +175,8 @@ REGISTRY: list[Benchmark] = [
             "--output {results}/bench_async_free.json",
             "quick": f"{ASYNC} --repeats 2 --regimes free --contenders trl,async-dapo,async-m2po "
             "--output {results}/bench_async_free.json",
-            "full": f"{ASYNC} --repeats 3 --regimes free --output {{results}}/bench_async_free.json",
+            "full": f"{ASYNC} --repeats 3 --regimes free --contenders {WITH_INFLIGHT} --eval-accuracy "
+            "--output {results}/bench_async_free.json",
         },
         R.render_async,
         R.summary_async,
@@ -174,7 +191,10 @@ REGISTRY: list[Benchmark] = [
         "async_forced64",
         "`AsyncGRPOTrainer` vs `GRPOTrainer`, completions forced to 64 tokens",
         "bench_async_forced64.json",
-        {"full": f"{ASYNC} --repeats 5 --regimes forced64 --output {{results}}/bench_async_forced64.json"},
+        {
+            "full": f"{ASYNC} --repeats 3 --regimes forced64 --contenders {WITH_INFLIGHT} --eval-accuracy "
+            "--output {results}/bench_async_forced64.json"
+        },
         R.render_async,
         R.summary_async,
         earlier=Earlier(
@@ -184,6 +204,20 @@ REGISTRY: list[Benchmark] = [
         ),
         env=NO_THREAD_SETTINGS,
         options={"regime": "forced64", "pictures": ("bench_async_reward_vs_time_forced64_s20_forced64.png",)},
+    ),
+    Benchmark(
+        "async_forced256",
+        "In-flight weight updates against the gate-only engine, completions forced to 256 tokens",
+        "bench_async_forced256.json",
+        {
+            "full": f"{ASYNC} --repeats 3 --regimes forced256 --eval-accuracy "
+            "--contenders trl,async-dapo,async-dapo-inflight,async-dapo-S2,async-dapo-S2-inflight "
+            "--output {results}/bench_async_forced256.json"
+        },
+        R.render_async,
+        R.summary_async,
+        env=NO_THREAD_SETTINGS,
+        options={"regime": "forced256"},
     ),
     Benchmark(
         "components",
@@ -256,6 +290,42 @@ REGISTRY: list[Benchmark] = [
             ("earlier/bench_ppo_vs_grpo.json",), "`OMP_NUM_THREADS=1 python benchmarks/bench_ppo_vs_grpo.py`"
         ),
         env={"OMP_NUM_THREADS": "1"},
+    ),
+    Benchmark(
+        "staleness",
+        "How stale is too stale: learning at a fixed staleness k, per loss",
+        "bench_staleness.json",
+        {
+            "smoke": "{python} benchmarks/bench_staleness.py --contenders m2po_paper --k 2 --seeds 0 --steps 4 "
+            "--out {results}/bench_staleness_smoke.json",
+            "full": "{python} benchmarks/bench_staleness.py --out {results}/bench_staleness.json",
+        },
+        R.render_staleness,
+        R.summary_staleness,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "soak",
+        "Long runs: memory, file descriptors, processes and /dev/shm over 1,000 steps",
+        "bench_soak.json",
+        {
+            "smoke": "{python} benchmarks/bench_soak.py --steps 40 --sample-every 10 --warmup-steps 10 "
+            "--out {results}/bench_soak_smoke.json",
+            "full": "{python} benchmarks/bench_soak.py --out {results}/bench_soak.json",
+        },
+        R.render_soak,
+        R.summary_soak,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "before_after",
+        "The same user jobs on an earlier checkout and on this one",
+        "bench_before_after.json",
+        {"full": "{python} benchmarks/bench_before_after.py --before {before} --output {results}/bench_before_after.json"},
+        R.render_before_after,
+        R.summary_before_after,
+        env=NO_THREAD_SETTINGS,
+        needs=("before",),
     ),
     Benchmark(
         "trl_compat",
@@ -366,7 +436,7 @@ def load_average() -> list[float] | None:
 
 def command_argv(bench: Benchmark, mode: str, args: argparse.Namespace) -> list[str]:
     values = {"python": sys.executable, "results": args.results_dir, "trl_repo": args.trl_repo,
-              "vllm_python": args.vllm_python}  # fmt: skip
+              "vllm_python": args.vllm_python, "before": args.before}  # fmt: skip
     return [part.format(**values) for part in shlex.split(bench.commands[mode])]
 
 
@@ -378,6 +448,7 @@ def command_text(bench: Benchmark, mode: str, results_dir: str = RESULTS_DIR) ->
         "results": results if not results.startswith("..") else results_dir,
         "trl_repo": "TRL_CLONE",
         "vllm_python": "VLLM_PYTHON",
+        "before": "OLD_CHECKOUT",
     }
     parts = [part.format(**values) for part in shlex.split(bench.commands[mode])]
     env = " ".join(f"{k}={v}" for k, v in bench.env.items() if v is not None)
@@ -604,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="skip benchmarks whose JSON this mode already wrote")
     parser.add_argument("--trl-repo", help="a TRL git clone: runs TRL's own GRPO tests with the class swapped (full)")
     parser.add_argument("--vllm-python", help="the vLLM environment's interpreter: runs the vLLM benchmarks (full)")
+    parser.add_argument(
+        "--before", help="a checkout of an earlier trl_async: times the same user jobs on it and on this one (full)"
+    )
     parser.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON files are (default: %(default)s)")
     parser.add_argument("--earlier-dir", default=RESULTS_DIR, help="the folder the registry's earlier measurements "
                         "are relative to (default: %(default)s)")  # fmt: skip

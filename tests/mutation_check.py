@@ -549,6 +549,14 @@ MUTATIONS = [
         "the main job's headline ratio is async/sync: a speed-up reads as a slow-down",
     ),
     Mutation(
+        "results_inflight_ratio_inverted",
+        "benchmarks/render_results.py",
+        'e2e = [g["train_s"] / f["train_s"] for g, f in zip(gate, inflight, strict=True)]',
+        'e2e = [f["train_s"] / g["train_s"] for g, f in zip(gate, inflight, strict=True)]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "in-flight against the gate-only engine read the wrong way round: a slow-down reads as issue 24's speed-up",
+    ),
+    Mutation(
         "results_std_as_standard_error",
         "benchmarks/render_results.py",
         "return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values))",

@@ -63,6 +63,34 @@ def async_bench(regime, trl_seconds, dapo_seconds):
                                                                            "runs": runs}}}  # fmt: skip
 
 
+def inflight_bench():
+    """Completions forced to 256 tokens: TRL 36 s, gate-only 24 s (accuracy 0.50), in-flight 20 s (accuracy 0.47);
+    in-flight steps at 1 s each against the gate-only 2.4 s, so its steady ratio (2.40) differs from end to end."""
+    base = async_bench("forced256", [36.0], [24.0])
+    runs = base["regimes"]["forced256"]["runs"]
+    inflight = json.loads(json.dumps(runs["async-dapo"][0]))
+    inflight.update(train_s=20.0, step_end=[1.0 * (k + 1) for k in range(10)], held_out_accuracy=0.47,
+                    token_age_mean=0.75)  # fmt: skip
+    runs["trl"][0]["held_out_accuracy"] = 0.40
+    runs["async-dapo"][0]["held_out_accuracy"] = 0.50
+    runs["async-dapo-inflight"] = [inflight]
+    return base
+
+
+def staleness_cell(contender, k, seed, accuracy):
+    return {"contender": contender, "k": k, "seed": seed, "accuracy_before": 0.25, "accuracy_after": accuracy,
+            "last_quarter_reward": 0.3, "grad_norm_variance": 0.1, "offpolicy/delta_sq_before": 0.01 * k,
+            "offpolicy/ess": 0.9, "offpolicy/masked_fraction": 0.001, "reward_curve": [0.1, 0.2]}  # fmt: skip
+
+
+def soak_run(growth):
+    samples = [{"step": step, "trainer_rss_mib": 500.0, "generator_rss_mib": 400.0, "trainer_fds": 30,
+                "generator_fds": 20, "processes": 4, "shm_entries": 2} for step in (50, 100)]  # fmt: skip
+    checks = {"trainer_rss_mib": {"max_growth": growth, "ok": True},
+              "generator_rss_mib": {"max_growth": 0.01, "ok": True}, "ok": True}  # fmt: skip
+    return {"samples": samples, "checks": checks, "wall_seconds": 100.0}
+
+
 FIXTURES = {
     # ratios 100/50 = 2.0 and 90/60 = 1.5: median 1.75 [1.50, 2.00]
     "main_job": main_job([(50.0, 100.0, 0.6, 0.5), (60.0, 90.0, 0.6, 0.5)], regime="same_cores"),
@@ -159,6 +187,22 @@ FIXTURES = {
         },
     },
     "async_vllm": async_bench("free", [20.0], [25.0]),  # 0.8
+    "async_forced256": inflight_bench(),  # in-flight vs gate-only 24/20 = 1.20; accuracy 0.47 - 0.50 = -0.030
+    "main_job_omp2": main_job([(40.0, 60.0, 0.6, 0.5), (50.0, 70.0, 0.6, 0.5)], regime="omp_num_threads_2"),  # 1.5, 1.4
+    "staleness": {
+        "regime": "a tiny regime",
+        "cells": {
+            f"{c}/k={k}/seed={s}": staleness_cell(c, k, s, a)
+            for c, k, s, a in (("dapo_is", 0, 0, 0.5), ("dapo_is", 0, 1, 0.6), ("m2po_paper", 8, 0, 0.4),
+                               ("m2po_paper", 8, 1, 0.5))  # fmt: skip
+        },
+    },  # dapo_is at k=0: 0.550 ± 0.050
+    "soak": {"command": "python benchmarks/bench_soak.py", "steps": 100, "sample_every": 50, "warmup_steps": 10,
+             "rss_growth_limit": 0.1, "ok": True, "runs": {"lora": soak_run(0.03), "full": soak_run(0.02)}},  # fmt: skip
+    "before_after": {
+        "commits": {"before": "a" * 40, "after": "b" * 40},
+        "jobs": {"docs_style": {"per_pair": [1.1, 0.9], "before_s": [11.0, 9.0], "after_s": [10.0, 10.0]}},
+    },  # median 1.00 [0.90, 1.10]
     "vllm_backends": {
         "settings": {"rows": 8, "max_new_tokens": 4, "threads": 1},
         "startup_s": {"hf": 1.0, "vllm": 9.0},
@@ -226,6 +270,11 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "7.0× by CPU time, 12.0× by wall time" in text
     assert "0.80× with 0% masked; 1.25× with 1% masked" in text
     assert "1.50× (1 repeat)" in text  # vLLM / hf generation seconds, 0.3 / 0.2
+    assert "1.20× (1 repeat)" in text and "-0.030" in text  # in-flight against the gate-only engine
+    assert "**1.45× [1.40, 1.50] over 2 pairs**" in text  # main job, OMP_NUM_THREADS=2
+    assert "0.550 ± 0.050 (n=2)" in text and "0.450 ± 0.050 (n=2)" in text  # staleness cells over seeds
+    assert "flat (largest RSS growth after warm-up +3.0%)" in text
+    assert "1.00× [0.90, 1.10] over 2 pairs" in text  # before / after
 
 
 def test_render_only_rewrites_only_the_readme_table(tmp_path):
