@@ -210,6 +210,8 @@ REGISTRY: list[Benchmark] = [
         "In-flight weight updates against the gate-only engine, completions forced to 256 tokens",
         "bench_async_forced256.json",
         {
+            "quick": f"{ASYNC} --repeats 2 --regimes forced256 --eval-accuracy "
+            "--contenders async-dapo,async-dapo-inflight --output {results}/bench_async_forced256.json",
             "full": f"{ASYNC} --repeats 3 --regimes forced256 --eval-accuracy "
             "--contenders trl,async-dapo,async-dapo-inflight,async-dapo-S2,async-dapo-S2-inflight "
             "--output {results}/bench_async_forced256.json"
@@ -321,7 +323,11 @@ REGISTRY: list[Benchmark] = [
         "before_after",
         "The same user jobs on an earlier checkout and on this one",
         "bench_before_after.json",
-        {"full": "{python} benchmarks/bench_before_after.py --before {before} --output {results}/bench_before_after.json"},
+        {
+            "quick": "{python} benchmarks/bench_before_after.py --before {before} --pairs 2 "
+            "--output {results}/bench_before_after.json",
+            "full": "{python} benchmarks/bench_before_after.py --before {before} --output {results}/bench_before_after.json",
+        },
         R.render_before_after,
         R.summary_before_after,
         env=NO_THREAD_SETTINGS,

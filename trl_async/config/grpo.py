@@ -114,9 +114,9 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "Load newer published weights between decoding steps, as PipelineRL does, instead of only between "
             "generation batches (hf backend). Every completion token records the version that sampled it, and its μ "
             "is that distribution's log-prob, so the importance correction and M2PO stay exact per token. A batch's "
-            "staleness is its oldest token's: the generation process prepares (tokenizes, prefills) the next batch "
-            "as soon as the queue has room and waits for recent enough weights only before its first token. The key/"
-            "value cache of earlier tokens is kept as older weights computed it (docs/staleness.md)."
+            "staleness is its oldest token's: the generation process prepares (draws, tokenizes) the next batch as "
+            "soon as the queue has room and waits for recent enough weights only before the model first runs on it. "
+            "The key/value cache of earlier tokens is kept as older weights computed it (docs/staleness.md)."
         },
     )
     fixed_staleness: int | None = field(
