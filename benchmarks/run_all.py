@@ -211,7 +211,7 @@ REGISTRY: list[Benchmark] = [
         "bench_async_forced256.json",
         {
             "quick": f"{ASYNC} --repeats 2 --regimes forced256 --eval-accuracy "
-            "--contenders async-dapo,async-dapo-inflight --output {results}/bench_async_forced256.json",
+            "--contenders trl,async-dapo,async-dapo-inflight --output {results}/bench_async_forced256.json",
             "full": f"{ASYNC} --repeats 3 --regimes forced256 --eval-accuracy "
             "--contenders trl,async-dapo,async-dapo-inflight,async-dapo-S2,async-dapo-S2-inflight "
             "--output {results}/bench_async_forced256.json"
