@@ -8,13 +8,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from tests.support.trainer_utils import WeightTracingTrainer
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from tests.support.trainer_utils import WeightTracingTrainer, load_model, make_args
+from trl_async import AsyncGRPOTrainer
 from trl_async.rollout import GeneratorError
-from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
 # The keys of TRL 1.16's batch dict for text-only GRPO; see `test_batch_dict_contract_matches_trl`.
 TRL_BATCH_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
@@ -30,38 +29,6 @@ def answer_reward(completions, answer, **kwargs):
 
 def length_reward(completions, **kwargs):
     return [len(c[0]["content"]) / 50.0 for c in completions]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(tiny_model_path())
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
-
-
-def load_model():
-    return AutoModelForCausalLM.from_pretrained(tiny_model_path())
-
-
-def make_args(tmp_path, config_cls=AsyncGRPOConfig, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return config_cls(**kwargs)
 
 
 def pid_is_gone(pid: int) -> bool:

@@ -18,21 +18,10 @@ from tests.support.trainer_utils import (
     answer_reward,
     length_reward,
     load_model,
-    load_tokenizer,
     make_args,
 )
 from trl_async import AsyncGRPOTrainer
 from trl_async.toy import make_arithmetic_dataset
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
 def slow_length_reward(completions, **kwargs):

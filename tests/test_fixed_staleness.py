@@ -8,19 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
+from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, make_args
 from trl_async import AsyncGRPOConfig
-from trl_async.toy import make_arithmetic_dataset
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
 def slow_generation_reward(completions, **kwargs):

@@ -11,23 +11,12 @@ import copy
 
 import pytest
 import torch
-from tests.support.trainer_utils import length_reward, load_model, load_tokenizer, make_args
 from transformers import DynamicCache, GenerationConfig
 
+from tests.support.trainer_utils import length_reward, load_model, make_args
 from trl_async import AsyncGRPOTrainer
 from trl_async.rollout.backends import HFBackend, ModelSpec
 from trl_async.rollout.weights import SharedWeightStore, named_trainable_parameters
-from trl_async.toy import make_arithmetic_dataset
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
 @torch.no_grad()

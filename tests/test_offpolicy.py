@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, load_tokenizer, make_args
+from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, make_args
 from trl_async.algorithms.importance import truncated_importance_weights
 from trl_async.algorithms.offpolicy import (
     OFFPOLICY_SUM_KEYS,
@@ -18,7 +18,6 @@ from trl_async.algorithms.offpolicy import (
     offpolicy_sums,
     row_age_counts,
 )
-from trl_async.toy import make_arithmetic_dataset
 
 
 def _random_case(seed: int, rows=5, width=7):
@@ -141,16 +140,6 @@ def test_importance_weight_sums_follow_trls_weight(mode):
 
 
 # ----------------------------------------------------------------------------------------------- in a real run
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
-
-
 class _RecomputingTrainer(WeightTracingTrainer):
     """Records, per optimizer step, E[δ²] and the ESS of π_old/μ recomputed with a plain forward of the current model."""
 

@@ -44,16 +44,6 @@ PPO_METRICS = (
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ppo_two_ranks.py")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
-
-
 def ppo_args(tmp_path, **overrides):
     kwargs = dict(num_generations=1, max_completion_length=12, gradient_checkpointing=False)
     kwargs.update(overrides)

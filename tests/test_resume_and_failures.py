@@ -17,23 +17,11 @@ from tests.support.trainer_utils import (
     WeightTracingTrainer,
     length_reward,
     load_model,
-    load_tokenizer,
     make_args,
     pid_is_gone,
 )
 from trl_async import AsyncGRPOTrainer
 from trl_async.rollout import GeneratorError
-from trl_async.toy import make_arithmetic_dataset
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_arithmetic_dataset(num_train=256, num_test=8, seed=1)["train"]
 
 
 class RecordingTrainer(AsyncGRPOTrainer):

@@ -188,17 +188,30 @@ FIXTURES = {
     },
     "async_vllm": async_bench("free", [20.0], [25.0]),  # 0.8
     "async_forced256": inflight_bench(),  # in-flight vs gate-only 24/20 = 1.20; accuracy 0.47 - 0.50 = -0.030
-    "main_job_omp2": main_job([(40.0, 60.0, 0.6, 0.5), (50.0, 70.0, 0.6, 0.5)], regime="omp_num_threads_2"),  # 1.5, 1.4
+    "main_job_omp2": main_job(
+        [(40.0, 60.0, 0.6, 0.5), (50.0, 70.0, 0.6, 0.5)], regime="omp_num_threads_2"
+    ),  # 1.5, 1.4
     "staleness": {
         "regime": "a tiny regime",
         "cells": {
             f"{c}/k={k}/seed={s}": staleness_cell(c, k, s, a)
-            for c, k, s, a in (("dapo_is", 0, 0, 0.5), ("dapo_is", 0, 1, 0.6), ("m2po_paper", 8, 0, 0.4),
-                               ("m2po_paper", 8, 1, 0.5))  # fmt: skip
+            for c, k, s, a in (
+                ("dapo_is", 0, 0, 0.5),
+                ("dapo_is", 0, 1, 0.6),
+                ("m2po_paper", 8, 0, 0.4),
+                ("m2po_paper", 8, 1, 0.5),
+            )  # fmt: skip
         },
     },  # dapo_is at k=0: 0.550 ± 0.050
-    "soak": {"command": "python benchmarks/bench_soak.py", "steps": 100, "sample_every": 50, "warmup_steps": 10,
-             "rss_growth_limit": 0.1, "ok": True, "runs": {"lora": soak_run(0.03), "full": soak_run(0.02)}},  # fmt: skip
+    "soak": {
+        "command": "python benchmarks/bench_soak.py",
+        "steps": 100,
+        "sample_every": 50,
+        "warmup_steps": 10,
+        "rss_growth_limit": 0.1,
+        "ok": True,
+        "runs": {"lora": soak_run(0.03), "full": soak_run(0.02)},
+    },  # fmt: skip
     "before_after": {
         "commits": {"before": "a" * 40, "after": "b" * 40},
         "jobs": {"docs_style": {"per_pair": [1.1, 0.9], "before_s": [11.0, 9.0], "after_s": [10.0, 10.0]}},
