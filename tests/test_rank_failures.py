@@ -51,8 +51,9 @@ def test_a_reward_that_raises_on_rank_1_ends_both_ranks(tmp_path):
     assert proc.returncode != 0
     exit_record = read(records, "exit.json", rank=1)
     assert exit_record["type"] == "GeneratorError"
-    assert "The generation process of rank 1" in exit_record["message"]
-    assert "ValueError: this reward fails on purpose on rank 1" in exit_record["message"]
+    # The reward's own error comes first (it says what to do), then which process raised it.
+    assert exit_record["message"].startswith("ValueError: this reward fails on purpose on rank 1")
+    assert "(raised in the generation process of rank 1, pid " in exit_record["message"]
     check_rank_0_was_stopped(records, proc.stderr)
     for rank in (0, 1):
         assert_nothing_left(read(records, "info.json", rank=rank))
