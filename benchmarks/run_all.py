@@ -340,6 +340,11 @@ REGISTRY: list[Benchmark] = [
         },
         R.render_trl_compat,
         R.summary_trl_compat,
+        earlier=Earlier(
+            ("earlier/trl_compat.json",),
+            "`python benchmarks/trl_compat/run_trl_compat.py --trl-repo <TRL clone>` (on the code before the "
+            "trainer restructuring)",
+        ),
         needs=("trl_repo",),
     ),
     Benchmark(
