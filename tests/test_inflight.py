@@ -8,10 +8,11 @@ it). Not against the backend's own numbers."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, TrainerCallback
 
 from tests.support.trainer_utils import length_reward, load_model, make_args
 from trl_async import AsyncGRPOTrainer
@@ -206,3 +207,25 @@ def test_inflight_settings_are_validated(tmp_path):
         make_args(tmp_path, inflight_weight_updates=True, fixed_staleness=2)
     with pytest.raises(ValueError, match="hf"):
         make_args(tmp_path, inflight_weight_updates=True, generation_backend="vllm")
+
+
+class _SlowStep(TrainerCallback):
+    """Makes every optimizer step slower than a generation batch, so that the generator could run ahead."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.5)
+
+
+def test_a_generator_ahead_of_the_trainer_waits_for_recent_weights_before_a_batch_starts(tmp_path, dataset, tokenizer):
+    # Short completions and a slow trainer: the generator has room in the queue before weights recent enough for the
+    # bound exist. The gate holds each batch before its first token (the oldest one) until they are published; a batch
+    # started on the weights it happens to hold would be too old by the time it trains, and be evicted.
+    args = make_args(tmp_path, max_steps=8, inflight_weight_updates=True, max_staleness=1,
+                     trainer_generates_while_starting=False)  # fmt: skip
+    trainer = AsyncGRPOTrainer(model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)  # fmt: skip
+    trainer.add_callback(_SlowStep())
+    trainer.train()
+    logs = trainer.state.log_history
+    assert sum(h.get("async/evicted", 0) for h in logs) == 0
+    assert max(h["async/staleness_max"] for h in logs if "async/staleness_max" in h) <= 1
