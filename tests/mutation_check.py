@@ -487,7 +487,9 @@ MUTATIONS = [
         _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)""",
         """    def ready():
         pass""",
-        ("tests/test_inflight.py::test_a_generator_ahead_of_the_trainer_waits_for_recent_weights_before_a_batch_starts",),
+        (
+            "tests/test_inflight.py::test_a_generator_ahead_of_the_trainer_waits_for_recent_weights_before_a_batch_starts",
+        ),
         "in-flight batches start on whatever weights are loaded: batches too old to train on are made, then evicted",
     ),
     # --------------------------------------------------------------------------------------- staleness study
