@@ -200,7 +200,7 @@ FIXTURES = {
                 ("dapo_is", 0, 1, 0.6),
                 ("m2po_paper", 8, 0, 0.4),
                 ("m2po_paper", 8, 1, 0.5),
-            )  # fmt: skip
+            )
         },
     },  # dapo_is at k=0: 0.550 ± 0.050
     "soak": {
@@ -211,7 +211,7 @@ FIXTURES = {
         "rss_growth_limit": 0.1,
         "ok": True,
         "runs": {"lora": soak_run(0.03), "full": soak_run(0.02)},
-    },  # fmt: skip
+    },
     "before_after": {
         "commits": {"before": "a" * 40, "after": "b" * 40},
         "jobs": {"docs_style": {"per_pair": [1.1, 0.9], "before_s": [11.0, 9.0], "after_s": [10.0, 10.0]}},
