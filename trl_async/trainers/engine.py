@@ -57,7 +57,7 @@ from ..rollout.termination import exit_on_sigterm
 from ..schedule import micro_steps_per_generation, versions_until_last_use
 from ..unsupported import check_async_supported
 from ..validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
-from . import forward, trl_contract
+from . import collectives, forward, trl_contract
 from .rollout_spec import generator_spec, placement
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class AsyncRolloutMixin(ModelCardMixin):
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         trl_contract.check_hooks(GRPOTrainer)
+        collectives.install_if_requested()  # TRL_ASYNC_CHECK_COLLECTIVES=1: every rank's collectives compared
         bound = trl_contract.bind_init(model, reward_funcs, args, *positional, **kwargs)
         args = self._prepare_args(bound)
         bound.arguments["args"] = args
