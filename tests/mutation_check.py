@@ -49,6 +49,8 @@ M2PO_TRAINING_VALUES_TEST = (
 )
 RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
 
+DIVERGING_TEST = "tests/test_diverging_ranks.py::test_ranks_that_differ_stay_in_step"
+
 BAD_INPUT_TEST = "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_leaves_nothing_behind"
 
 
@@ -157,8 +159,8 @@ MUTATIONS = [
     Mutation(
         "importance_weight_inverted",
         "trl_async/trainers/grpo.py",
-        'weights = self._behaviour_weights(old_logps, inputs["sampling_per_token_logps"], mask)',
-        'weights = self._behaviour_weights(inputs["sampling_per_token_logps"], old_logps, mask)',
+        "weights = self._behaviour_weights(old_logps, behaviour, mask)",
+        "weights = self._behaviour_weights(behaviour, old_logps, mask)",
         ("tests/test_importance_trainer.py",),
         "the weight is μ/π_old instead of π_old/μ",
     ),
@@ -229,8 +231,8 @@ MUTATIONS = [
     Mutation(
         "m2po_against_the_policy_at_batch_time",
         "trl_async/trainers/grpo.py",
-        'behaviour = inputs.get("sampling_per_token_logps")',
-        "behaviour = None",
+        'behaviour = rollout_view(inputs)["sampling_per_token_logps"]\n        elif',
+        "behaviour = per_token_logps.detach()\n        elif",
         (M2PO_TRAINING_VALUES_TEST,),
         "M2PO measures δ against the policy of the loss's own forward, not μ: stale rows are never masked",
     ),
@@ -286,7 +288,7 @@ MUTATIONS = [
     Mutation(
         "ppo_importance_weight_dropped",
         "trl_async/trainers/ppo.py",
-        'return inputs["sampling_per_token_logps"] if self._corrects_behaviour(inputs) else None',
+        'return rollout_view(inputs)["sampling_per_token_logps"] if self._corrects_behaviour() else None',
         "return None",
         (PPO_STALE_TEST,),
         "PPO trains on stale rows without the truncated importance weight π_old/μ",
@@ -504,8 +506,8 @@ MUTATIONS = [
     Mutation(
         "offpolicy_ess_unnormalized",
         "trl_async/algorithms/offpolicy.py",
-        "return weight_sum**2 / (tokens * weight_sq_sum)",
-        "return weight_sum / tokens",
+        "ess = torch.where(has, weight_sum.square() / (tokens * weight_sq_sum).clamp(min=1e-300), 0.0)",
+        "ess = torch.where(has, weight_sum / tokens, 0.0)",
         ("tests/test_offpolicy.py",),
         "offpolicy/ess is the mean weight, not the effective sample size",
     ),
@@ -520,8 +522,8 @@ MUTATIONS = [
     Mutation(
         "row_age_from_the_wrong_version",
         "trl_async/trainers/engine.py",
-        'ages = self.state.global_step - inputs["rollout_versions"]',
-        'ages = self.state.global_step - inputs["rollout_versions"] - 1',
+        'row_age_counts(self.state.global_step - fields["rollout_versions"], max_age)',
+        'row_age_counts(self.state.global_step - fields["rollout_versions"] - 1, max_age)',
         ("tests/test_offpolicy.py::test_offpolicy_metrics_in_a_run_equal_a_recomputation_and_move_with_staleness",),
         "row ages counted one version short of the weights that generated the rows",
     ),
@@ -822,6 +824,43 @@ MUTATIONS = [
         "            item = pickle.load(f)\n",
         ("tests/test_soak.py",),
         "every consumed batch stays in /dev/shm: the spool grows for the whole run",
+    ),
+    # --------------------------------------------------------------------------------------- several processes
+    Mutation(
+        "start_up_batch_skips_the_eviction_agreement",
+        "trl_async/rollout/client.py",
+        "staleness = self._agree(batch.staleness)",
+        "staleness = batch.staleness",
+        (f"{DIVERGING_TEST}[late_generator]",),
+        "a rank on a batch its trainer made skips the all-gather that a rank on a generator batch joins",
+        timeout=600,
+    ),
+    Mutation(
+        "eviction_agreement_ignored",
+        "trl_async/rollout/queue.py",
+        "staleness = local if agree is None else agree(local)",
+        "staleness = local if agree is None else (agree(local), local)[1]",
+        ("tests/test_diverging_ranks.py::test_an_item_too_old_on_one_rank_only_is_evicted_on_both",),
+        "the ranks agree on the staleness but each evicts by its own: an item too old on one rank is trained on the other",
+        timeout=600,
+    ),
+    Mutation(
+        "tokens_seen_counted_only_for_generator_batches",
+        "trl_async/trainers/engine.py",
+        "        self._log_completion_lengths(payload.prompt_ids, payload.completion_ids)\n",
+        "        if not slot.batch.from_trainer:\n"
+        "            self._log_completion_lengths(payload.prompt_ids, payload.completion_ids)\n",
+        (f"{DIVERGING_TEST}[late_generator]",),
+        "a collective joined only by ranks whose batch came from the generation process (the wave-4 crash's pattern)",
+        timeout=600,
+    ),
+    Mutation(
+        "collective_check_never_compares",
+        "trl_async/trainers/collectives.py",
+        "if not bool((gathered == gathered[0]).all()):",
+        "if False:",
+        ("tests/test_diverging_ranks.py::test_the_collective_check_names_both_ranks_calls_on_a_mismatch",),
+        "the collective check fingerprints every call but never compares the ranks' fingerprints",
     ),
 ]
 

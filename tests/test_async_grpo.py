@@ -17,7 +17,7 @@ from trl_async.rollout import GeneratorError
 
 # The keys of TRL 1.16's batch dict for text-only GRPO; see `test_batch_dict_contract_matches_trl`.
 TRL_BATCH_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
-OUR_EXTRA_KEYS = {"sampling_per_token_logps", "rollout_versions"}
+OUR_EXTRA_KEYS = {"sampling_per_token_logps", "rollout_versions", "rollout_token_versions"}
 
 
 def answer_reward(completions, answer, **kwargs):

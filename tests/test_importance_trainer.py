@@ -64,7 +64,7 @@ def _loss_and_grads(trainer, compute, inputs):
 
 def _trl_with_ratio(theirs, inputs, old_logps, mode, clip_min, clip_max):
     """TRL's loss on its vLLM path: per-token loss times the truncated ratio π_old/μ (VESPO: inside φ)."""
-    reference = {k: v for k, v in inputs.items() if k not in ("rollout_versions",)}
+    reference = {k: v for k, v in inputs.items() if k not in ("rollout_versions", "rollout_token_versions")}
     reference["importance_sampling_ratio"] = reference_weights(
         old_logps.double(), inputs["sampling_per_token_logps"].double(), inputs["completion_mask"], mode, clip_min,
         clip_max,
@@ -92,7 +92,7 @@ def test_correction_from_trls_own_forward_equals_trls_formula(tmp_path, dataset,
     for name in grads_ref:
         torch.testing.assert_close(grads_ours[name], grads_ref[name], rtol=1e-4, atol=1e-5, msg=name)
     # The correction really acts: without it the loss differs (μ is 0.3 nats off per token here).
-    uncorrected = {k: v for k, v in inputs.items() if k != "rollout_versions"}
+    uncorrected = {k: v for k, v in inputs.items() if k not in ("rollout_versions", "rollout_token_versions")}
     plain, _ = _loss_and_grads(theirs, lambda m, x: GRPOTrainer._compute_loss(theirs, m, x), uncorrected)
     assert not torch.allclose(plain, loss_ref, rtol=1e-3, atol=1e-5)
 

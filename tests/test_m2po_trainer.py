@@ -207,7 +207,7 @@ def test_trainer_m2po_loss_equals_an_independent_computation(
     expected.backward()
     for name, p in reference_model.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
-    window = trainer._m2po_window["train"]
+    window = trainer._statistics["train"].local("m2po")
     assert 0 < window[1] < window[0]  # some tokens were masked: the rule really acted on this batch
 
 

@@ -13,8 +13,9 @@ from tests.support.trainer_utils import WeightTracingTrainer, length_reward, loa
 from trl_async.algorithms.importance import truncated_importance_weights
 from trl_async.algorithms.offpolicy import (
     OFFPOLICY_SUM_KEYS,
-    OffPolicyWindow,
+    batch_ess,
     importance_weight_sums,
+    offpolicy_metrics,
     offpolicy_sums,
     row_age_counts,
 )
@@ -82,13 +83,20 @@ def test_defaults_keep_every_valid_token_unclipped():
 
 
 def test_window_metrics_are_token_weighted_and_ess_is_per_batch():
-    window = OffPolicyWindow()
-    first = [[0.0, 0.0, 0.0, 0.0]]  # on-policy: every weight 1, ESS 1
-    second = [[math.log(4.0), 0.0]]  # weights 4 and 1: ESS (5)^2 / (2 * 17)
-    window.add_batch(offpolicy_sums(torch.tensor(first), torch.ones(1, 4)))
-    window.add_batch(offpolicy_sums(torch.tensor(second), torch.ones(1, 2)))
-    window.add_ages(torch.tensor([3.0, 0.0, 2.0]))  # three rows of age 0, two of age 2
-    metrics = window.metrics()
+    first = offpolicy_sums(torch.tensor([[0.0, 0.0, 0.0, 0.0]]), torch.ones(1, 4))  # on-policy: every weight 1, ESS 1
+    second = offpolicy_sums(torch.tensor([[math.log(4.0), 0.0]]), torch.ones(1, 2))  # weights 4, 1: ESS 25 / 34
+    (ess_1, has_1), (ess_2, has_2) = batch_ess(first), batch_ess(second)
+    assert (float(ess_1), float(ess_2)) == pytest.approx((1.0, 25.0 / 34.0))
+    empty_ess, empty_has = batch_ess(offpolicy_sums(torch.zeros(1, 2), torch.zeros(1, 2)))  # no valid token
+    assert (float(empty_ess), float(empty_has)) == (0.0, 0.0)
+    metrics = offpolicy_metrics(
+        first + second,
+        float(ess_1 + ess_2),
+        float(has_1 + has_2 + empty_has),
+        float(min(ess_1, ess_2)),
+        torch.tensor([3.0, 0.0, 2.0]),  # three rows of age 0, two of age 2
+        torch.tensor([8.0, 6.0]),
+    )
     assert metrics["offpolicy/ess"] == pytest.approx((1.0 + 25.0 / 34.0) / 2)
     assert metrics["offpolicy/ess_min"] == pytest.approx(25.0 / 34.0)
     assert metrics["offpolicy/delta_sq_before"] == pytest.approx(math.log(4.0) ** 2 / 6)  # over all 6 tokens
@@ -96,6 +104,9 @@ def test_window_metrics_are_token_weighted_and_ess_is_per_batch():
     assert metrics["offpolicy/masked_fraction"] == 0.0
     assert (metrics["offpolicy/row_age_min"], metrics["offpolicy/row_age_max"]) == (0.0, 2.0)
     assert metrics["offpolicy/row_age_mean"] == pytest.approx(4.0 / 5.0)
+    assert metrics["offpolicy/token_age_mean"] == pytest.approx(8.0 / 6.0)
+    # A window with nothing measured logs nothing (rather than zeros that would read as "on-policy").
+    assert offpolicy_metrics(torch.zeros(len(first)), 0.0, 0.0, math.inf, torch.zeros(3), torch.zeros(2)) == {}
 
 
 def test_row_age_counts_put_older_rows_in_the_last_bucket():

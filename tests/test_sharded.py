@@ -35,22 +35,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, sharding: str, variant: str, out, *, settings_from="launcher", flags=()) -> list[dict]:
+def launch(
+    config: str, sharding: str, variant: str, out, *, settings_from="launcher", flags=(), steps: int = 3, env=None
+) -> list[dict]:
     """`accelerate launch` with one of the shipped configs (recipes/accelerate_configs), on 2 CPU processes in float32."""
     overrides = ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     if sharding == "fsdp2" and not torch.cuda.is_available():
         env["FORCE_FSDP2_ON_CPU"] = "1"  # see the script's header: accelerate never takes its FSDP path on CPU
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config),
-         *overrides, SCRIPT, str(out), sharding, variant, settings_from],
-        capture_output=True, text=True, timeout=900, env=env,
+         *overrides, SCRIPT, str(out), sharding, variant, settings_from, str(steps)],
+        capture_output=True, text=True, timeout=1800, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
 
 
-def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "gloo") -> None:
+def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "gloo", steps: int = 3) -> None:
     """What every rank of a `sharded_ranks.py` run must have seen (also used by benchmarks/gpu_check.sh on GPUs)."""
     expected_type = {"fsdp2": "DistributedType.FSDP", "zero3": "DistributedType.DEEPSPEED"}[sharding]
     assert [r["process_index"] for r in ranks] == list(range(len(ranks)))
@@ -63,14 +65,14 @@ def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "
         # Every batch came from the generation process (the trainer cannot generate on a sharded model).
         assert r["trainer_generated_batches"] and not any(r["trainer_generated_batches"])
         # Training moved the policy, so the check below can tell versions apart ...
-        assert r["global_step"] == 3 and r["initial_vs_final_max_diff"] > 1e-3
-        assert len(r["mu_gaps"]) == 3 and max(r["tagged_versions"]) >= 1
+        assert r["global_step"] == steps and r["initial_vs_final_max_diff"] > 1e-3
+        assert len(r["mu_gaps"]) == steps and max(r["tagged_versions"]) >= 1
         # ... and it does: another version's weights are far from μ, the tagged version's reproduce it.
         assert r["control_gaps"] and min(r["control_gaps"]) > 1e-2
         assert max(r["mu_gaps"]) < 1e-3, r["mu_gaps"]
         # The stores hold the whole final weights under the generator's names (a plain model's).
         stores = r["store_vs_final"]
-        assert stores["trainable"]["version"] == 3
+        assert stores["trainable"]["version"] == steps
         for store in stores.values():
             assert store["missing_from_final"] == [] and store["max_abs_diff"] == 0.0
         published = set(r["store_names"]["trainable"]) | set(r["store_names"].get("frozen", []))
@@ -109,6 +111,22 @@ def test_zero3_full_fine_tune(tmp_path):
 @NEEDS_DEEPSPEED
 def test_zero3_lora_publishes_adapters_only(tmp_path):
     check_ranks(launch("zero3.yaml", "zero3", "lora", tmp_path), "zero3", "lora")
+
+
+# ------------------------------------------------------------------------------------------------ long runs
+# 100 steps each, with the project's collective check on (every rank's collectives compared: a rank that skipped,
+# added or reshaped one fails the run naming both calls; docs/architecture.md, "Several processes").
+@pytest.mark.slow
+def test_fsdp2_runs_100_steps_with_every_collective_in_step(tmp_path):
+    env = {"TRL_ASYNC_CHECK_COLLECTIVES": "1"}
+    check_ranks(launch("fsdp2.yaml", "fsdp2", "lora", tmp_path, steps=100, env=env), "fsdp2", "lora", steps=100)
+
+
+@NEEDS_DEEPSPEED
+@pytest.mark.slow
+def test_zero3_runs_100_steps_with_every_collective_in_step(tmp_path):
+    env = {"TRL_ASYNC_CHECK_COLLECTIVES": "1"}
+    check_ranks(launch("zero3.yaml", "zero3", "full", tmp_path, steps=100, env=env), "zero3", "full", steps=100)
 
 
 # ------------------------------------------------------------------------------------------------ names, refusals

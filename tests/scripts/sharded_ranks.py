@@ -146,6 +146,7 @@ class TracingTrainer(AsyncGRPOTrainer):
 def main():
     output_dir, sharding, variant = sys.argv[1], sys.argv[2], sys.argv[3]
     settings_from = sys.argv[4] if len(sys.argv) > 4 else "launcher"
+    max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     force_fsdp2 = sharding == "fsdp2" and os.environ.get("FORCE_FSDP2_ON_CPU") == "1"
     trainer_cls = type("Trainer", (ForcedFSDP2OnCPU, TracingTrainer), {}) if force_fsdp2 else TracingTrainer
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
@@ -167,7 +168,7 @@ def main():
         extra = dict(ddp_backend="gloo")
     args = AsyncGRPOConfig(
         output_dir=output_dir,
-        max_steps=3,
+        max_steps=max_steps,
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=12,

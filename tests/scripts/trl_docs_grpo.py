@@ -9,6 +9,7 @@ from datasets import load_dataset
 from trl import GRPOConfig, GRPOTrainer
 
 model_path, data_file, output_dir = sys.argv[1:4]
+max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 dataset = load_dataset("json", data_files=data_file, split="train")
 
 
@@ -18,7 +19,7 @@ def reward_len(completions, **kwargs):
 
 training_args = GRPOConfig(
     output_dir=output_dir,
-    max_steps=3,
+    max_steps=max_steps,
     per_device_train_batch_size=8,
     num_generations=4,
     max_completion_length=16,

@@ -167,6 +167,7 @@ def make_batch(tokenizer, model, seed=0, batch=6, width=9):
         "num_items_in_batch": completion_mask.sum(),
         "sampling_per_token_logps": behaviour,
         "rollout_versions": torch.zeros(batch, dtype=torch.long),
+        "rollout_token_versions": torch.zeros(batch, width, dtype=torch.long),
     }, policy
 
 

@@ -11,8 +11,8 @@ sampling distribution) and enters the loss of a newer policy π. Per valid compl
 Logged over each logging window, token-weighted over every rank (sums are accumulated, ratios taken when logged):
 
 * `offpolicy/ess`, `offpolicy/ess_min`: the normalized effective sample size of the per-token weights of one batch
-  (a loss call, every rank), ESS = (Σ w)² / (N Σ w²) ∈ (0, 1] (Kong 1992; 1 when π = μ), averaged over the window's
-  batches, and its minimum.
+  (one loss call on one rank), ESS = (Σ w)² / (N Σ w²) ∈ (0, 1] (Kong 1992; 1 when π = μ), averaged over the window's
+  batches and ranks, and its minimum.
 * `offpolicy/delta_sq_before`: E[δ²] over valid tokens; `offpolicy/delta_sq_after`: E[δ'²] over the tokens that keep a
   non-zero weight after the loss's off-policy treatment, δ' the log of the weight actually applied (clipped values
   for truncation, the M2PO mask, TRL's mask modes). M2PO's bound is on this second moment (Zheng et al. 2025, §3).
@@ -21,8 +21,9 @@ Logged over each logging window, token-weighted over every rank (sums are accumu
   `offpolicy/sequence_masked_fraction` (rows masked whole: TRL's `sequence_mask`).
 * `offpolicy/row_age_min`, `_mean`, `_max`: the age of each row when it enters a loss (the trainer's version minus the
   version of its oldest token), counted per loss entry; trackers that take histograms (TensorBoard, W&B, Trackio) also
-  get the window's histogram as `offpolicy/row_age`. With in-flight weight updates, `offpolicy/token_age_mean` is
-  the mean age of the completion tokens themselves (later tokens come from newer weights).
+  get the window's histogram as `offpolicy/row_age`. `offpolicy/token_age_mean` is the mean age of the completion
+  tokens themselves: with in-flight weight updates later tokens come from newer weights, without them every token
+  has its row's age.
 
 Pure tensor functions (no model, no trainer); `tests/test_offpolicy.py` checks them against loops written by hand.
 """
@@ -97,64 +98,47 @@ def offpolicy_sums(
     )
 
 
-def effective_sample_size(sums: Tensor) -> float | None:
-    """Normalized ESS (Σw)² / (N Σw²) of one batch's `offpolicy_sums` (summed over ranks); None without tokens."""
-    tokens, weight_sum, weight_sq_sum = (float(sums[OFFPOLICY_SUM_KEYS.index(k)]) for k in
-                                         ("tokens", "weight_sum", "weight_sq_sum"))  # fmt: skip
-    if tokens <= 0 or weight_sq_sum <= 0:
-        return None
-    return weight_sum**2 / (tokens * weight_sq_sum)
+def batch_ess(sums: Tensor) -> tuple[Tensor, Tensor]:
+    """(ESS, 1) of one batch's `offpolicy_sums`, the normalized ESS (Σw)² / (N Σw²); (0, 0) without tokens or weight,
+    so that a window's ESS is the sum of the first over the sum of the second (no host sync)."""
+    i = OFFPOLICY_SUM_KEYS.index
+    tokens, weight_sum, weight_sq_sum = sums[i("tokens")], sums[i("weight_sum")], sums[i("weight_sq_sum")]
+    has = (tokens > 0) & (weight_sq_sum > 0)
+    ess = torch.where(has, weight_sum.square() / (tokens * weight_sq_sum).clamp(min=1e-300), 0.0)
+    return ess, has.to(sums.dtype)
 
 
-class OffPolicyWindow:
-    """One logging window's off-policy figures: batch sums (already reduced over ranks) and row-age counts."""
-
-    def __init__(self):
-        self.sums: Tensor | None = None
-        self.ess: list[float] = []
-        self.age_counts: dict[int, float] = {}
-        self.token_age_sum = self.token_count = 0.0  # per completion token (in-flight updates make them differ)
-
-    def add_batch(self, sums: Tensor) -> None:
-        sums = sums.detach().to("cpu", torch.float64)
-        self.sums = sums if self.sums is None else self.sums + sums
-        ess = effective_sample_size(sums)
-        if ess is not None:
-            self.ess.append(ess)
-
-    def add_ages(self, counts: Tensor) -> None:
-        """`counts[a]` rows of age `a` entered a loss (summed over ranks)."""
-        for age, count in enumerate(counts.detach().to("cpu").tolist()):
-            if count:
-                self.age_counts[age] = self.age_counts.get(age, 0.0) + count
-
-    def add_token_ages(self, age_sum: float, count: float) -> None:
-        self.token_age_sum += age_sum
-        self.token_count += count
-
-    def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if self.sums is not None:
-            s = dict(zip(OFFPOLICY_SUM_KEYS, self.sums.tolist(), strict=True))
-            tokens, kept, rows = s["tokens"], s["kept_tokens"], s["rows"]
-            if tokens:
-                out["offpolicy/delta_sq_before"] = s["delta_sq"] / tokens
-                out["offpolicy/delta_sq_after"] = s["delta_sq_kept"] / kept if kept else 0.0
-                out["offpolicy/masked_fraction"] = s["masked_tokens"] / tokens
-                out["offpolicy/clipped_fraction"] = s["clipped_tokens"] / tokens
-            if rows:
-                out["offpolicy/sequence_masked_fraction"] = s["masked_rows"] / rows
-        if self.ess:
-            out["offpolicy/ess"] = sum(self.ess) / len(self.ess)
-            out["offpolicy/ess_min"] = min(self.ess)
-        if self.age_counts:
-            total = sum(self.age_counts.values())
-            out["offpolicy/row_age_min"] = float(min(self.age_counts))
-            out["offpolicy/row_age_mean"] = sum(a * c for a, c in self.age_counts.items()) / total
-            out["offpolicy/row_age_max"] = float(max(self.age_counts))
-        if self.token_count:
-            out["offpolicy/token_age_mean"] = self.token_age_sum / self.token_count
-        return out
+def offpolicy_metrics(
+    sums: Tensor, ess_sum: float, ess_count: float, ess_min: float, age_counts: Tensor, token_ages: Tensor
+) -> dict[str, float]:
+    """The `offpolicy/*` figures of a logging window, from its totals over every rank: `sums` the
+    `OFFPOLICY_SUM_KEYS` summed over its batches, the ESS of each batch summed (`ess_sum`, `ess_count` batches) and
+    its minimum, `age_counts[a]` the rows of age a (`row_age_counts`) and `token_ages` (Σ age, count) over completion
+    tokens. Fractions and means are token- or row-weighted over the window; a figure with nothing to measure is
+    left out."""
+    out: dict[str, float] = {}
+    s = dict(zip(OFFPOLICY_SUM_KEYS, sums.tolist(), strict=True))
+    tokens, kept, rows = s["tokens"], s["kept_tokens"], s["rows"]
+    if tokens:
+        out["offpolicy/delta_sq_before"] = s["delta_sq"] / tokens
+        out["offpolicy/delta_sq_after"] = s["delta_sq_kept"] / kept if kept else 0.0
+        out["offpolicy/masked_fraction"] = s["masked_tokens"] / tokens
+        out["offpolicy/clipped_fraction"] = s["clipped_tokens"] / tokens
+    if rows:
+        out["offpolicy/sequence_masked_fraction"] = s["masked_rows"] / rows
+    if ess_count:
+        out["offpolicy/ess"] = ess_sum / ess_count
+        out["offpolicy/ess_min"] = ess_min
+    counts = {age: count for age, count in enumerate(age_counts.tolist()) if count}
+    if counts:
+        total = sum(counts.values())
+        out["offpolicy/row_age_min"] = float(min(counts))
+        out["offpolicy/row_age_mean"] = sum(a * c for a, c in counts.items()) / total
+        out["offpolicy/row_age_max"] = float(max(counts))
+    age_sum, token_count = token_ages.tolist()
+    if token_count:
+        out["offpolicy/token_age_mean"] = age_sum / token_count
+    return out
 
 
 def row_age_counts(ages: Tensor, max_age: int) -> Tensor:

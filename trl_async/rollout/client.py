@@ -21,7 +21,6 @@ reduced to its maximum over ranks (one all-reduce of one integer per generation 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -46,6 +45,22 @@ from .weights import SharedWeightStore
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "trl_async_rollout.json"
+# `RolloutClient.window_metrics`'s keys: this rank's sums over a logging window (`staleness_max` its maximum).
+ASYNC_WINDOW_KEYS = (
+    "batches",
+    "trainer_batches",
+    "rows",
+    "staleness_row_sum",
+    "staleness_max",
+    "evicted_rows",
+    "generator_wait_s",
+    "trainer_wait_s",
+    "generate_s",
+    "reward_s",
+    "queue_size",
+    "lending_calls",
+    "lent_calls",
+)
 
 
 @dataclasses.dataclass
@@ -107,7 +122,6 @@ class RolloutClient:
         self._lending: CoreLending | None = None
         self._lending_hooks: list = []
         self._lending_counts = (0, 0)
-        self.current: RolloutBatch | None = None  # the batch TRL's scoring code is turning into a batch dict
 
     @property
     def started(self) -> bool:
@@ -276,16 +290,6 @@ class RolloutClient:
         self._record(batch)
         return batch
 
-    @contextlib.contextmanager
-    def serving(self, batch: RolloutBatch):
-        """While TRL's `_generate_and_score_completions` runs on `batch`, the trainer's `_generate` and
-        `_calculate_rewards` overrides read its completions and rewards from `current` (TRL passes them only prompts)."""
-        self.current = batch
-        try:
-            yield batch
-        finally:
-            self.current = None
-
     def _agree(self, staleness: int) -> int:
         return staleness if self.all_reduce_max is None else self.all_reduce_max(staleness)
 
@@ -429,6 +433,7 @@ class RolloutClient:
 
 
 __all__ = [
+    "ASYNC_WINDOW_KEYS",
     "CHECKPOINT_FILE",
     "GeneratorError",
     "RolloutBatch",

@@ -38,8 +38,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import logger as trl_logger
 
-from ..algorithms.m2po import m2po_metrics, m2po_select, m2po_select_global
-from ..algorithms.offpolicy import OffPolicyWindow, log_histogram_to_trackers, m2po_offpolicy_sums, row_age_counts
+from ..algorithms.m2po import M2PO_SUM_KEYS, m2po_metrics, m2po_select, m2po_select_global
+from ..algorithms.offpolicy import (
+    OFFPOLICY_SUM_KEYS,
+    batch_ess,
+    log_histogram_to_trackers,
+    m2po_offpolicy_sums,
+    offpolicy_metrics,
+    row_age_counts,
+)
 from ..checkpoints import (
     begin_save,
     check_resumable,
@@ -50,7 +57,7 @@ from ..checkpoints import (
 )
 from ..config import async_field
 from ..hub import ModelCardMixin
-from ..rollout.client import CHECKPOINT_FILE, RolloutBatch, RolloutClient, RolloutSettings
+from ..rollout.client import ASYNC_WINDOW_KEYS, CHECKPOINT_FILE, RolloutBatch, RolloutClient, RolloutSettings
 from ..rollout.generator import warm_up_generator_start
 from ..rollout.prompts import is_iterable_dataset
 from ..rollout.termination import exit_on_sigterm
@@ -58,7 +65,9 @@ from ..schedule import micro_steps_per_generation, versions_until_last_use
 from ..unsupported import check_async_supported
 from ..validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
 from . import collectives, forward, trl_contract
+from .batch import rollout_fields, rollout_view
 from .rollout_spec import generator_spec, placement
+from .statistics import MAX, MIN, Field, StatisticsLayout, WindowStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +159,9 @@ class AsyncRolloutMixin(ModelCardMixin):
         super().__init__(*bound.args[1:], **bound.kwargs)
         check_inputs_after_init(self)
         self._hook_slot: HookSlot | None = None
-        self._m2po_window: dict[str, torch.Tensor] = {}  # M2PO token sums of the logging window, per mode
-        self._offpolicy_window: dict[str, OffPolicyWindow] = {}  # `offpolicy/*` of the logging window, per mode
+        # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
+        layout = StatisticsLayout(self._statistics_fields())
+        self._statistics = {mode: WindowStatistics(layout, self.accelerator.device) for mode in ("train", "eval")}
         self._rollout = RolloutClient(
             self._rollout_settings(),
             all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
@@ -298,19 +308,16 @@ class AsyncRolloutMixin(ModelCardMixin):
     def _generate_and_score_completions(self, inputs):
         """Replaces `GRPOTrainer._generate_and_score_completions`: in async training, the rows TRL's dataloader handed
         over (placeholders) become the next rollout batch's, and TRL's own method runs on them, with their completions
-        and rewards served by `_generate` and `_calculate_rewards` through the hook slot. Rollout rows get
-        `rollout_versions` (B,), the policy version that generated each. Evaluation and `async_generation=False` run
-        TRL's method on TRL's rows. Then `_after_scoring`, with the reward matrix TRL computed."""
+        and rewards served by `_generate` and `_calculate_rewards` through the hook slot. Evaluation and `async_generation=False` run
+        TRL's method on TRL's rows. Then `_after_scoring`, with the reward matrix TRL computed.
+
+        Every rollout batch gets the same fields (`trainers.batch.RolloutFields`), whether the trainer made it at
+        start-up or the generation process did, so that what follows never depends on where a rank's batch came from."""
         batch = self._next_rollout_batch() if self._async_training() else None
         with self._hand_off(batch=batch) as slot:
             output = super()._generate_and_score_completions(inputs if batch is None else batch.payload.rows)
         if batch is not None:
-            completion_ids = output["completion_ids"]
-            output["rollout_versions"] = torch.full(
-                (completion_ids.size(0),), batch.version, device=completion_ids.device
-            )
-            if batch.payload.token_versions is not None:  # in-flight weight updates: a version per token
-                output["rollout_token_versions"] = _padded(batch.payload.token_versions, completion_ids)
+            output.update(rollout_fields(batch, output["completion_ids"]))
         return self._after_scoring(output, slot.rewards_per_func)
 
     def _generate(self, prompts: list):
@@ -440,11 +447,10 @@ class AsyncRolloutMixin(ModelCardMixin):
         return selection
 
     def _record_m2po_stats(self, mode: str, stats) -> None:
-        """Adds one micro-batch's M2PO sums to the logging window (token-weighted over the window and every rank; see
-        `log`: sums here, ratios when logged), and warns when M2PO masked every token of it."""
-        sums = self.accelerator.reduce(stats["sums"].detach().to(torch.float64), reduction="sum")
-        window = self.__dict__.setdefault("_m2po_window", {})
-        window[mode] = sums if window.get(mode) is None else window[mode] + sums
+        """Adds one micro-batch's M2PO sums to the logging window (token-weighted over the window and every rank when
+        logged), and warns when M2PO masked every token of it."""
+        sums = stats["sums"].detach().to(torch.float64)
+        self._statistics[mode].add("m2po", sums)
         if sums[-1] > 0:
             logger.warning(
                 "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
@@ -453,47 +459,76 @@ class AsyncRolloutMixin(ModelCardMixin):
             )
 
     # --------------------------------------------------------------------------------------------- off-policy
-    @staticmethod
-    def _has_behaviour(inputs: dict) -> bool:
-        """Rows sampled by the rollout engine, with their behaviour log-probs μ."""
-        return "rollout_versions" in inputs and "sampling_per_token_logps" in inputs
-
-    def _corrects_behaviour(self, inputs: dict) -> bool:
-        """Rows that get TRL's truncated importance weight π_old/μ: from the rollout engine, when they can be stale
-        (`max_staleness > 0`) and `vllm_importance_sampling_correction` is on (TRL's default)."""
+    def _corrects_behaviour(self) -> bool:
+        """Whether the rows of this loss get TRL's truncated importance weight π_old/μ: rollout rows (an asynchronous
+        training step) that can be stale (`max_staleness > 0`), with `vllm_importance_sampling_correction` on (TRL's
+        default). Decided by the mode and the config, the same on every rank whatever its batch."""
         return (
-            self._has_behaviour(inputs)
+            self._async_training()
             and bool(self.args.vllm_importance_sampling_correction)
             and (async_field(self.args, "max_staleness") or 0) > 0
         )
 
     def _record_offpolicy(self, mode: str, sums: torch.Tensor) -> None:
-        """One batch's `offpolicy_sums`, summed over ranks, into the logging window (see `algorithms.offpolicy`)."""
-        sums = self.accelerator.reduce(sums.to(torch.float64), reduction="sum")
-        self.__dict__.setdefault("_offpolicy_window", {}).setdefault(mode, OffPolicyWindow()).add_batch(sums)
+        """One batch's `offpolicy_sums` (see `algorithms.offpolicy`) and its effective sample size, into the window."""
+        sums = sums.detach().to(torch.float64)
+        ess, has = batch_ess(sums)
+        statistics = self._statistics[mode]
+        statistics.add("offpolicy", sums)
+        statistics.add("offpolicy_ess", torch.stack([ess, has]))
+        statistics.add("offpolicy_ess_min", torch.where(has > 0, ess, torch.inf))
 
     def _record_row_ages(self, inputs: dict) -> None:
-        """The age of every row entering this loss (the trainer's version minus the generating version), summed over
-        ranks into the logging window's histogram (`offpolicy/row_age_*`)."""
-        if not (self.model.training and "rollout_versions" in inputs):
+        """The age of every row entering this loss (the trainer's version minus its oldest token's version) and of
+        every valid completion token, into the window's histogram (`offpolicy/row_age_*`, `offpolicy/token_age_mean`).
+        Rollout rows only: an asynchronous training step."""
+        if not self._async_training():
             return
-        ages = self.state.global_step - inputs["rollout_versions"]
+        fields = rollout_view(inputs)
         max_age = int(async_field(self.args, "max_staleness") or 0)
-        counts = row_age_counts(ages, max_age).to(ages.device)
-        if "rollout_token_versions" in inputs:  # per token too: the oldest token is the row's age, the rest younger
-            mask = self._loss_mask(inputs).bool()
-            token_ages = (self.state.global_step - inputs["rollout_token_versions"])[mask].double()
-            counts = torch.cat([counts, torch.stack([token_ages.sum(), token_ages.new_tensor(token_ages.numel())])])
-        counts = self.accelerator.reduce(counts, reduction="sum")
-        window = self.__dict__.setdefault("_offpolicy_window", {}).setdefault("train", OffPolicyWindow())
-        window.add_ages(counts[: max_age + 2])
-        if counts.numel() > max_age + 2:
-            window.add_token_ages(float(counts[-2]), float(counts[-1]))
+        statistics = self._statistics["train"]
+        statistics.add("row_ages", row_age_counts(self.state.global_step - fields["rollout_versions"], max_age))
+        mask = self._loss_mask(inputs).bool()
+        token_ages = (self.state.global_step - fields["rollout_token_versions"])[mask].double()
+        statistics.add("token_ages", torch.stack([token_ages.sum(), token_ages.new_tensor(token_ages.numel())]))
+
+    def _record_importance_weights(self, weights: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's `sampling/importance_sampling_ratio/*` figures for the weights π_old/μ a loss applied ((B, T) in token
+        modes, (B, 1) in sequence modes), plus the share the truncation changed: set to 0 (mask modes) or clamped to
+        a bound (truncate modes; a ratio exactly on a bound has probability zero)."""
+        args = self.args
+        mask = mask.bool()
+        counted = mask.any(dim=1, keepdim=True) if weights.size(1) == 1 else mask
+        weights = weights.detach().to(torch.float64)
+        if args.vllm_importance_sampling_mode.endswith("mask"):
+            changed = weights == 0
+        else:
+            bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
+            changed = torch.isin(weights, torch.tensor(bounds, dtype=weights.dtype, device=weights.device))
+        statistics = self._statistics["train"]
+        statistics.add(
+            "importance_weights",
+            torch.stack(
+                [
+                    torch.where(counted, weights, 0.0).sum(),
+                    counted.sum().double(),
+                    (counted & (weights == 0)).sum().double(),
+                    (counted & changed).sum().double(),
+                ]
+            ),
+        )
+        statistics.add("importance_weights_min", torch.where(counted, weights, torch.inf).min())
+        statistics.add("importance_weights_max", torch.where(counted, weights, -torch.inf).max())
+
+    def _record_token_mean(self, mode: str, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """A per-token figure (`entropy`, `kl`), token-weighted over the window and every rank when logged."""
+        mask = mask.to(values.dtype)
+        self._statistics[mode].add(f"token_mean/{name}", torch.stack([(values.detach() * mask).sum(), mask.sum()]))
 
     @staticmethod
     def _loss_mask(inputs: dict) -> torch.Tensor:
         mask = inputs["completion_mask"]
-        return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+        return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
 
     def _dapo_normalizer(self, inputs: dict, mode: str) -> torch.Tensor:
         """TRL `dapo`'s normaliser: the valid tokens of the whole accumulated batch, per process, so that the summed
@@ -502,10 +537,6 @@ class AsyncRolloutMixin(ModelCardMixin):
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return normalizer
-
-    def _global_masked_mean(self, values: torch.Tensor, mask: torch.Tensor) -> float:
-        totals = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum().float()]), reduction="sum")
-        return (totals[0] / totals[1].clamp(min=1.0)).item()
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model, trial):
@@ -555,42 +586,89 @@ class AsyncRolloutMixin(ModelCardMixin):
             self._rollout.restore(state)
 
     # --------------------------------------------------------------------------------------------- metrics
+    def _statistics_fields(self) -> list[Field]:
+        """The layout of the trainers' statistics (`trainers.statistics`), from the config alone; subclasses add
+        theirs. Recorded where computed, reduced over the ranks once per log."""
+        max_age = int(async_field(self.args, "max_staleness") or 0)
+        return [
+            Field("async", len(ASYNC_WINDOW_KEYS)),
+            Field("async_staleness_max", 1, MAX),
+            Field("offpolicy", len(OFFPOLICY_SUM_KEYS)),
+            Field("offpolicy_ess", 2),
+            Field("offpolicy_ess_min", 1, MIN),
+            Field("row_ages", max_age + 2),
+            Field("token_ages", 2),
+            Field("m2po", len(M2PO_SUM_KEYS)),
+            Field("importance_weights", 4),
+            Field("importance_weights_min", 1, MIN),
+            Field("importance_weights_max", 1, MAX),
+            Field("token_mean/entropy", 2),
+            Field("token_mean/kl", 2),
+            Field("completions", len(_COMPLETION_SUMS)),
+            Field("completions_min", 2, MIN),
+            Field("completions_max", 2, MAX),
+        ]
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """`GRPOTrainer.log`, plus the `async/*`, `offpolicy/*` and `m2po/*` metrics of the logging window, computed
-        from window totals (TRL averages the values appended during the window; a mean of per-batch fractions or
-        maxima would not mean what the names say); `m2po/all_masked_batches` is a count."""
+        """`GRPOTrainer.log`, plus the trainers' own metrics of the logging window (`async/*`, `offpolicy/*`,
+        `m2po/*`, `ppo/*`, the importance-weight figures), computed from window totals over every rank (TRL averages
+        the values appended during the window; a mean of per-batch fractions or maxima would not mean what the names
+        say); `m2po/all_masked_batches` is a count. One reduction over the ranks, on every rank at every log."""
         mode = "train" if self.model.training else "eval"
-        if self.model.training and self._rollout_started():
-            self._log_async_window()
-        window = self.__dict__.get("_m2po_window", {}).pop(mode, None)
-        if window is not None:
-            for key, value in m2po_metrics(window).items():
-                self._metrics[mode][f"m2po/{key}"] = [value]
-        offpolicy = self.__dict__.get("_offpolicy_window", {}).pop(mode, None)
-        if offpolicy is not None:
-            for key, value in offpolicy.metrics().items():
-                self._metrics[mode][key] = [value]
-            if self.accelerator.is_main_process:
-                log_histogram_to_trackers(
-                    self.callback_handler.callbacks, "offpolicy/row_age", offpolicy.age_counts, self.state.global_step
-                )
+        statistics = self._statistics[mode]
+        if mode == "train" and self._rollout_started():
+            window = self._rollout.window_metrics()
+            statistics.add("async", [float(window[key]) for key in ASYNC_WINDOW_KEYS])
+            statistics.add("async_staleness_max", float(window["staleness_max"]))
+        self._log_statistics(mode, statistics.reduce(gather))
         super().log(logs, start_time)
 
-    def _log_async_window(self) -> None:
-        window = self._rollout.window_metrics()
-        keys = list(window)
-        local = torch.tensor([float(window[k]) for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        ranks = gather(local.unsqueeze(0)).view(-1, len(keys))
-        total = dict(zip(keys, ranks.sum(dim=0).tolist(), strict=True))
-        peak = dict(zip(keys, ranks.max(dim=0).values.tolist(), strict=True))
-        num_ranks = ranks.size(0)
+    def _log_statistics(self, mode: str, totals: dict[str, torch.Tensor]) -> None:
+        """The window's totals over every rank (`_statistics_fields`) -> metrics in `self._metrics[mode]`; a figure
+        with nothing to measure in the window is left out. Subclasses add theirs after `super()`."""
+        metrics = self._metrics[mode]
+        self._log_async_window(dict(zip(ASYNC_WINDOW_KEYS, totals["async"].tolist(), strict=True)),
+                               float(totals["async_staleness_max"]))  # fmt: skip
+        offpolicy = offpolicy_metrics(
+            totals["offpolicy"],
+            *totals["offpolicy_ess"].tolist(),
+            float(totals["offpolicy_ess_min"]),
+            totals["row_ages"],
+            totals["token_ages"],
+        )
+        for key, value in offpolicy.items():
+            metrics[key] = [value]
+        if self.accelerator.is_main_process and "offpolicy/row_age_mean" in offpolicy:
+            counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
+            log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,
+                                      self.state.global_step)  # fmt: skip
+        m2po = totals["m2po"]
+        if m2po[M2PO_SUM_KEYS.index("valid_tokens")] > 0 or m2po[-1] > 0:
+            for key, value in m2po_metrics(m2po).items():
+                metrics[f"m2po/{key}"] = [value]
+        weight_sum, count, zero, changed = totals["importance_weights"].tolist()
+        if count:
+            prefix = "sampling/importance_sampling_ratio"
+            metrics[f"{prefix}/mean"] = [weight_sum / count]
+            metrics[f"{prefix}/min"] = [float(totals["importance_weights_min"])]
+            metrics[f"{prefix}/max"] = [float(totals["importance_weights_max"])]
+            metrics[f"{prefix}/masked_fraction"] = [zero / count]
+            metrics[f"{prefix}/clipped_fraction"] = [changed / count]
+        for name in ("entropy", "kl"):
+            total, tokens = totals[f"token_mean/{name}"].tolist()
+            if tokens:
+                metrics[name] = [total / tokens]
+        self._log_completions(metrics, totals)
+
+    def _log_async_window(self, total: dict[str, float], staleness_max: float) -> None:
+        num_ranks = self.accelerator.num_processes
         if not total["batches"] and not total["evicted_rows"]:
             return  # nothing was trained on since the last log (e.g. the summary logged when training ends)
         metrics = self._metrics["train"]
         rows, batches = total["rows"], max(total["batches"], 1.0)
         if total["batches"]:
             metrics["async/staleness_mean"] = [total["staleness_row_sum"] / max(rows, 1.0)]
-            metrics["async/staleness_max"] = [peak["staleness_max"]]
+            metrics["async/staleness_max"] = [staleness_max]
             metrics["async/generate_s"] = [total["generate_s"] / batches]
             metrics["async/reward_s"] = [total["reward_s"] / batches]
         metrics["async/evicted"] = [total["evicted_rows"]]
@@ -603,30 +681,42 @@ class AsyncRolloutMixin(ModelCardMixin):
             metrics["async/trainer_lent_cores_fraction"] = [total["lent_calls"] / total["lending_calls"]]
 
     def _log_completion_lengths(self, prompt_ids: list, completion_ids: list) -> None:
-        # The completion metrics of TRL's `_generate`, for rows that did not go through it.
-        device, metrics = self.accelerator.device, self._metrics["train"]
-        prompt_lengths = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
-        lengths = gather(torch.tensor([len(c) for c in completion_ids], device=device))
-        self.state.num_input_tokens_seen += (prompt_lengths.sum() + lengths.sum()).item()
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        """The completion metrics of TRL's `_generate`, for rows that did not go through it: this rank's sums go to the
+        window (`_log_completions` turns the totals into TRL's `completions/*`). The tokens seen are counted at once,
+        as TRL counts them (they are saved with checkpoints): one all-reduce per rollout batch, on every rank."""
+        tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
+        tokens = self.accelerator.reduce(torch.tensor([tokens], device=self.accelerator.device), reduction="sum")
+        self.state.num_input_tokens_seen += int(tokens.item())
+        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
         eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        truncated = gather(torch.tensor([not c or c[-1] not in eos_and_pad for c in completion_ids], device=device))
-        terminated = lengths[~truncated].float() if (~truncated).any() else torch.zeros(1, device=device)
-        lengths = lengths.float()
-        metrics["completions/mean_length"].append(lengths.mean().item())
-        metrics["completions/min_length"].append(lengths.min().item())
-        metrics["completions/max_length"].append(lengths.max().item())
-        metrics["completions/clipped_ratio"].append(truncated.float().mean().item())
-        metrics["completions/mean_terminated_length"].append(terminated.mean().item())
-        metrics["completions/min_terminated_length"].append(terminated.min().item())
-        metrics["completions/max_terminated_length"].append(terminated.max().item())
+        lengths = [len(c) for c in completion_ids]
+        terminated = [n for n, c in zip(lengths, completion_ids, strict=True) if c and c[-1] in eos_and_pad]
+        inf = float("inf")
+        statistics = self._statistics["train"]
+        statistics.add(
+            "completions",
+            [len(lengths), sum(lengths), len(terminated), sum(terminated)],
+        )
+        statistics.add("completions_min", [min(lengths, default=inf), min(terminated, default=inf)])
+        statistics.add("completions_max", [max(lengths, default=-inf), max(terminated, default=-inf)])
+
+    def _log_completions(self, metrics: dict, totals: dict[str, torch.Tensor]) -> None:
+        rows, length_sum, terminated, terminated_sum = totals["completions"].tolist()
+        if not rows:
+            return
+        (shortest, shortest_terminated), (longest, longest_terminated) = (
+            totals["completions_min"].tolist(),
+            totals["completions_max"].tolist(),
+        )
+        metrics["completions/mean_length"] = [length_sum / rows]
+        metrics["completions/min_length"] = [shortest]
+        metrics["completions/max_length"] = [longest]
+        metrics["completions/clipped_ratio"] = [(rows - terminated) / rows]
+        # TRL's convention: 0 when no completion of the window terminated.
+        metrics["completions/mean_terminated_length"] = [terminated_sum / terminated if terminated else 0.0]
+        metrics["completions/min_terminated_length"] = [shortest_terminated if terminated else 0.0]
+        metrics["completions/max_terminated_length"] = [longest_terminated if terminated else 0.0]
 
 
-def _padded(rows: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """Per-row lists (ragged) as a (B, T) tensor shaped like `like`, each row padded with its last value."""
-    out = torch.zeros(like.shape, dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, : len(row)] = torch.tensor(row[: like.size(1)], dtype=torch.long)
-            out[i, len(row) :] = row[-1]
-    return out.to(like.device)
+# This rank's sums of the completions of a logging window (`_log_completion_lengths`).
+_COMPLETION_SUMS = ("rows", "length_sum", "terminated_rows", "terminated_length_sum")

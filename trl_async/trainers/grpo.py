@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from accelerate.utils import gather
 from trl import GRPOConfig, GRPOTrainer
 
 from ..algorithms.importance import fold_into_advantages, truncated_importance_weights
@@ -26,6 +25,7 @@ from ..algorithms.m2po import m2po_loss
 from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
 from ..config import LOSS_TYPES, ensure_async_fields
 from ..unsupported import check_m2po_supported
+from .batch import rollout_view
 from .engine import AsyncRolloutMixin
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     def _after_scoring(self, output: dict, rewards_per_func) -> dict:
         """Rollout rows of a batch used across optimizer steps: TRL computed π_old (`old_per_token_logps`), so TRL's
         importance correction against μ is applied now (`_treat_behaviour_mismatch`)."""
-        if "old_per_token_logps" in output and self._has_behaviour(output):
+        # TRL computes `old_per_token_logps` exactly when a batch spans optimizer steps (a config condition, the same
+        # on every rank: `trl_contract`).
+        if self._async_training() and "old_per_token_logps" in output:
             self._treat_behaviour_mismatch(output, output["old_per_token_logps"])
         return output
 
@@ -69,7 +71,7 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         self._record_row_ages(inputs)
         if self.loss_type == "m2po":
             return self._compute_m2po_loss(model, inputs)
-        if not (self.model.training and self._has_behaviour(inputs)) or "old_per_token_logps" in inputs:
+        if not self._async_training() or "old_per_token_logps" in inputs:
             return super()._compute_loss(model, inputs)
         inputs = dict(inputs)  # the buffered batch stays unweighted
         with self._hand_off(on_policy_logps=lambda logps: self._treat_behaviour_mismatch(inputs, logps)):
@@ -79,11 +81,12 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     def _treat_behaviour_mismatch(self, inputs: dict, old_logps: torch.Tensor) -> None:
         """Rollout rows, once π_old is known: TRL's importance correction where it applies (`_corrects_behaviour`),
         and the `offpolicy/*` diagnostics of π_old against μ either way (nothing masked or clipped without it)."""
-        if self._corrects_behaviour(inputs):
+        if self._corrects_behaviour():
             self._apply_behaviour_correction(inputs, old_logps)
         else:
             mask = self._loss_mask(inputs)
-            self._record_offpolicy("train", offpolicy_sums(old_logps - inputs["sampling_per_token_logps"], mask))
+            behaviour = rollout_view(inputs)["sampling_per_token_logps"]
+            self._record_offpolicy("train", offpolicy_sums(old_logps - behaviour, mask))
 
     @torch.no_grad()
     def _apply_behaviour_correction(self, inputs: dict, old_logps: torch.Tensor) -> None:
@@ -92,11 +95,12 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         every other TRL loss multiplies its per-token policy loss by w, which equals scaling the advantages by w
         (each policy term is positively homogeneous in A, and w ≥ 0; `algorithms.importance` gives the proof)."""
         mask, args = self._loss_mask(inputs), self.args
-        weights = self._behaviour_weights(old_logps, inputs["sampling_per_token_logps"], mask)
+        behaviour = rollout_view(inputs)["sampling_per_token_logps"]
+        weights = self._behaviour_weights(old_logps, behaviour, mask)
         self._record_offpolicy(
             "train",
             importance_weight_sums(
-                old_logps - inputs["sampling_per_token_logps"],
+                old_logps - behaviour,
                 mask,
                 weights,
                 mode=args.vllm_importance_sampling_mode,
@@ -108,7 +112,7 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             inputs["importance_sampling_ratio"] = weights
         else:
             inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
-        self._log_importance_weights(weights, mask)
+        self._record_importance_weights(weights, mask)
 
     def _behaviour_weights(self, old_logps, behaviour_logps, mask):
         args = self.args
@@ -120,29 +124,6 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             clip_min=args.vllm_importance_sampling_clip_min,
             clip_max=args.vllm_importance_sampling_clip_max,
         )
-
-    def _log_importance_weights(self, weights: torch.Tensor, mask: torch.Tensor) -> None:
-        """TRL's `sampling/importance_sampling_ratio/*` metrics for the weights applied, plus the share the truncation
-        changed: set to 0 (mask modes) or clamped to a bound (truncate modes; a ratio exactly on a bound has
-        probability zero)."""
-        flat = weights.flatten() if weights.size(1) == 1 else weights[mask.bool()]
-        if not flat.numel():
-            return
-        args = self.args
-        bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
-        clipped = (
-            (flat == 0)
-            if args.vllm_importance_sampling_mode.endswith("mask")
-            else torch.isin(flat, torch.tensor(bounds, dtype=flat.dtype, device=flat.device))
-        )
-        stats = torch.stack([flat.mean(), flat.min(), flat.max(), (flat == 0).float().mean(), clipped.float().mean()])
-        mean, low, high, zero, changed = gather(stats.unsqueeze(0)).view(-1, 5).T
-        metrics = self._metrics["train"]
-        metrics["sampling/importance_sampling_ratio/mean"].append(mean.mean().item())
-        metrics["sampling/importance_sampling_ratio/min"].append(low.min().item())
-        metrics["sampling/importance_sampling_ratio/max"].append(high.max().item())
-        metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero.mean().item())
-        metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(changed.mean().item())
 
     # --------------------------------------------------------------------------------------------- M2PO
     def _compute_m2po_loss(self, model, inputs):
@@ -163,26 +144,25 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             completion_ids.size(1),
             compute_entropy=True,
         )
-        behaviour = inputs.get("sampling_per_token_logps")
-        if behaviour is None:
-            behaviour = inputs.get("old_per_token_logps")
-        if behaviour is None:
+        rollout = self._async_training()
+        if rollout:
+            behaviour = rollout_view(inputs)["sampling_per_token_logps"]
+        elif inputs.get("old_per_token_logps") is not None:  # TRL's, when a batch spans optimizer steps
+            behaviour = inputs["old_per_token_logps"]
+        else:
             behaviour = per_token_logps.detach()
         advantages = inputs["advantages"]
         normalizer = self._dapo_normalizer(inputs, mode)
         delta = per_token_logps.detach() - behaviour
-        selection = self._m2po_selection(
-            delta, mask, advantages, mode, record_offpolicy="sampling_per_token_logps" in inputs
-        )
+        selection = self._m2po_selection(delta, mask, advantages, mode, record_offpolicy=rollout)
         loss, stats = m2po_loss(
             per_token_logps, behaviour, advantages, mask, normalizer=normalizer, selection=selection
         )
-        metrics = self._metrics[mode]
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
             per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
             loss = loss + self.beta * (per_token_kl * mask).sum() / normalizer
-            metrics["kl"].append(self._global_masked_mean(per_token_kl, mask))
-        metrics["entropy"].append(self._global_masked_mean(entropies, mask))
+            self._record_token_mean(mode, "kl", per_token_kl, mask)
+        self._record_token_mean(mode, "entropy", entropies, mask)
         self._record_m2po_stats(mode, stats)
         return loss

@@ -36,8 +36,10 @@ from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
 from ..algorithms.ppo import PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
 from ..config import PPO_LOSS_TYPES, AsyncPPOConfig, ensure_async_fields
 from . import trl_contract
+from .batch import rollout_view
 from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
 from .engine import AsyncRolloutMixin
+from .statistics import Field
 
 
 class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
@@ -185,10 +187,10 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             old_per_token_logps=old_logps,
             loss_mask=mask,
         )
-        self._log_rollout_metrics(mode, scores, scorable, targets, old_values, mask)
+        self._record_rollout_metrics(mode, scores, scorable, targets, old_values, mask)
         behaviour = self._behaviour_logps(output)
         if behaviour is not None:
-            self._log_importance_weights(old_logps, behaviour, mask)
+            self._record_importance_weights(self._importance_weights(old_logps, behaviour, mask), mask)
         return output
 
     def _sequence_scores(self, rewards_per_func: Tensor, completion_ids: Tensor, completion_mask: Tensor):
@@ -203,10 +205,11 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             scores = scores - self.args.missing_eos_penalty * (~has_eos).to(scores.dtype)
         return torch.where(scorable, scores, torch.zeros_like(scores)), scorable
 
-    def _log_rollout_metrics(self, mode, scores, scorable, targets: PPOTargets, old_values, mask) -> None:
-        """Batch-level metrics over all processes (sums all-reduced): explained variance of the returns by the
-        critic's values at batch time, EV = 1 - Var[R - V] / Var[R] (biased variances, `algorithms.ppo`), the means
-        of returns and values, TRL's former `objective/kl` (Σ_t KL per row) and `objective/scores`."""
+    def _record_rollout_metrics(self, mode, scores, scorable, targets: PPOTargets, old_values, mask) -> None:
+        """The sums behind the rollout metrics of the logging window, over every rank (`_log_statistics`): explained
+        variance of the returns by the critic's values at batch time, EV = 1 - Var[R - V] / Var[R] (biased variances
+        over the window's valid tokens, `algorithms.ppo`), the means of returns and values, TRL's former
+        `objective/kl` (Σ_t KL per row) and `objective/scores`."""
         m = mask.double()
         returns, values = targets.returns.double(), old_values.double()
         residual = returns - values
@@ -223,16 +226,30 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
                 scores.double().sum(),
             ]
         )
-        n, r1, r2, d1, d2, v1, kl, rows, score_sum = self.accelerator.reduce(local, reduction="sum").tolist()
+        self._statistics[mode].add("ppo_rollout", local)
+
+    def _log_statistics(self, mode: str, totals: dict[str, Tensor]) -> None:
+        """The engine's metrics, plus PPO's over the logging window (`_record_rollout_metrics`, `_record_loss_metrics`)."""
+        super()._log_statistics(mode, totals)
         metrics = self._metrics[mode]
-        tokens, rows = max(n, 1.0), max(rows, 1.0)
-        var_returns = r2 / tokens - (r1 / tokens) ** 2
-        var_residual = d2 / tokens - (d1 / tokens) ** 2
-        metrics["ppo/explained_variance"].append(1.0 - var_residual / var_returns if var_returns > 0 else float("nan"))
-        metrics["ppo/returns_mean"].append(r1 / tokens)
-        metrics["ppo/value_mean"].append(v1 / tokens)
-        metrics["objective/kl"].append(kl / rows)
-        metrics["objective/scores"].append(score_sum / rows)
+        n, r1, r2, d1, d2, v1, kl, rows, score_sum = totals["ppo_rollout"].tolist()
+        if n or rows:
+            tokens, rows = max(n, 1.0), max(rows, 1.0)
+            var_returns = r2 / tokens - (r1 / tokens) ** 2
+            var_residual = d2 / tokens - (d1 / tokens) ** 2
+            ev = 1.0 - var_residual / var_returns if var_returns > 0 else float("nan")
+            metrics["ppo/explained_variance"] = [ev]
+            metrics["ppo/returns_mean"] = [r1 / tokens]
+            metrics["ppo/value_mean"] = [v1 / tokens]
+            metrics["objective/kl"] = [kl / rows]
+            metrics["objective/scores"] = [score_sum / rows]
+        loss_totals = totals["ppo_loss"].tolist()
+        if loss_totals[0]:
+            for key, value in zip(_PPO_LOSS_METRICS, loss_totals[1:], strict=True):
+                metrics[key] = [value / loss_totals[0]]
+
+    def _statistics_fields(self) -> list[Field]:
+        return [*super()._statistics_fields(), Field("ppo_rollout", 9), Field("ppo_loss", 1 + len(_PPO_LOSS_METRICS))]
 
     def _importance_weights(self, old_logps: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
         args = self.args
@@ -245,22 +262,11 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             clip_max=args.vllm_importance_sampling_clip_max,
         )
 
-    def _log_importance_weights(self, old_logps: Tensor, behaviour: Tensor, mask: Tensor) -> None:
-        """The engine's `sampling/importance_sampling_ratio/*` metrics for the weight π_old/μ the PPO loss applies."""
-        weights = self._importance_weights(old_logps, behaviour, mask)
-        flat = weights.flatten() if weights.size(1) == 1 else weights[mask]
-        stats = torch.stack([flat.sum(), flat.new_tensor(flat.numel()), (flat == 0).float().sum()])
-        total, count, zero = self.accelerator.reduce(stats, reduction="sum").tolist()
-        if count:
-            metrics = self._metrics["train"]
-            metrics["sampling/importance_sampling_ratio/mean"].append(total / count)
-            metrics["sampling/importance_sampling_ratio/masked_fraction"].append(zero / count)
-
     # --------------------------------------------------------------------------------------------- loss
     def _behaviour_logps(self, inputs: dict) -> Tensor | None:
         """μ where PPO-clip gets the truncated importance weight π_old/μ (`_corrects_behaviour`: rollout rows,
         `max_staleness > 0`, `vllm_importance_sampling_correction`). None otherwise: μ is π_old (on-policy)."""
-        return inputs["sampling_per_token_logps"] if self._corrects_behaviour(inputs) else None
+        return rollout_view(inputs)["sampling_per_token_logps"] if self._corrects_behaviour() else None
 
     def _compute_loss(self, model, inputs):
         """Replaces `GRPOTrainer._compute_loss`: PPO's loss on the per-token advantages,
@@ -300,7 +306,7 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             policy_loss, clipfrac, approx_kl = policy.loss, policy.clipfrac, policy.approx_kl
         critic = value_loss(values, inputs["old_values"], inputs["returns"], mask, args.cliprange_value, normalizer)
         tokens = mask.sum().clamp(min=1)
-        self._log_loss_metrics(
+        self._record_loss_metrics(
             mode,
             mask,
             {
@@ -318,9 +324,10 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         """M2PO against μ (π_old where the rows carry no μ), with PPO's clip fraction and approximate KL against π_old
         logged for comparison: (loss, clipfrac, approx_kl)."""
         args, old_logps = self.args, inputs["old_per_token_logps"]
-        behaviour = inputs.get("sampling_per_token_logps", old_logps)
+        rollout = self._async_training()
+        behaviour = rollout_view(inputs)["sampling_per_token_logps"] if rollout else old_logps
         delta = per_token_logps.detach() - behaviour
-        record = "sampling_per_token_logps" in inputs and mode == "train"
+        record = rollout
         selection = self._m2po_selection(delta, mask, inputs["advantages"], mode, record_offpolicy=record)
         loss, stats = m2po_loss(
             per_token_logps, behaviour, inputs["advantages"], mask, normalizer=normalizer, selection=selection
@@ -335,10 +342,10 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     def _record_ppo_offpolicy(self, inputs: dict, mask: Tensor, mode: str) -> None:
         """`offpolicy/*` of π_old against μ for the PPO-clip loss: the truncated weight where `ppo_policy_loss`
         applies it (`_behaviour_logps`), nothing masked or clipped otherwise."""
-        if mode != "train" or "sampling_per_token_logps" not in inputs:
+        if not self._async_training():
             return
         old_logps = inputs["old_per_token_logps"]
-        delta = old_logps - inputs["sampling_per_token_logps"]
+        delta = old_logps - rollout_view(inputs)["sampling_per_token_logps"]
         behaviour = self._behaviour_logps(inputs)
         if behaviour is None:
             self._record_offpolicy(mode, offpolicy_sums(delta, mask))
@@ -357,14 +364,12 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             ),
         )
 
-    def _log_loss_metrics(self, mode: str, mask: Tensor, means: dict[str, Tensor]) -> None:
-        """Per micro-batch, token-weighted over processes: each value is a mean over this micro-batch's valid tokens."""
+    def _record_loss_metrics(self, mode: str, mask: Tensor, means: dict[str, Tensor]) -> None:
+        """Per micro-batch means over its valid tokens (`_PPO_LOSS_METRICS`, in order), token-weighted over the
+        window and every rank when logged."""
         count = mask.sum().double()
-        local = torch.stack([count, *(value.double() * count for value in means.values())])
-        total = self.accelerator.reduce(local, reduction="sum").tolist()
-        tokens = max(total[0], 1.0)
-        for key, value in zip(means, total[1:], strict=True):
-            self._metrics[mode][key].append(value / tokens)
+        values = [means[key].double() * count for key in _PPO_LOSS_METRICS]
+        self._statistics[mode].add("ppo_loss", torch.stack([count, *values]))
 
     # --------------------------------------------------------------------------------------------- optimizer
     def create_optimizer(self, model=None):
@@ -427,3 +432,14 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         from safetensors.torch import load_file
 
         self.critic_model.load_checkpoint_tensors(load_file(path))
+
+
+# The per-micro-batch figures of the PPO loss (`_record_loss_metrics`), each a mean over valid tokens.
+_PPO_LOSS_METRICS = (
+    "ppo/policy_loss",
+    "ppo/value_loss",
+    "ppo/clipfrac",
+    "ppo/approx_kl",
+    "ppo/value_clipfrac",
+    "entropy",
+)
