@@ -167,7 +167,9 @@ def test_an_item_too_old_on_one_rank_only_is_evicted_on_both(tmp_path):
     bound = 1  # the case's max_staleness
     one_sided = [
         step
-        for (local_0, agreed, step), (local_1, _, _) in zip(ranks[0]["agreements"], ranks[1]["agreements"])
+        for (local_0, agreed, step), (local_1, _, _) in zip(
+            ranks[0]["agreements"], ranks[1]["agreements"], strict=True
+        )
         if agreed > bound and min(local_0, local_1) <= bound
     ]
     assert one_sided, "no item was too old on one rank only: the case did not exercise what it is for"
