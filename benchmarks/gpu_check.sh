@@ -121,7 +121,7 @@ def env():
 def m2po_cuda():
     import torch
 
-    from trl_async.losses import m2po_loss
+    from trl_async.algorithms.m2po import m2po_loss
 
     result = {}
     if not torch.cuda.is_available():

@@ -115,7 +115,7 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- resume
     Mutation(
         "stream_position_saved_without_the_resumed_offset",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         '"stream_position": self._stream_offset + self._next_index,',
         '"stream_position": self._next_index,',
         (RESUME_CHAIN_TEST,),
@@ -123,7 +123,7 @@ MUTATIONS = [
     ),
     Mutation(
         "resume_restarts_the_prompt_stream",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         'spec = dataclasses.replace(spec, stream_offset=int(self._restored["stream_position"]))',
         "spec = dataclasses.replace(spec, stream_offset=0)",
         (RESUME_CHAIN_TEST,),
@@ -140,7 +140,7 @@ MUTATIONS = [
     ),
     Mutation(
         "no_weight_publish",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         "self.trainable_store.publish(iter_full_parameters([(n, trainable[n]) for n in self._trainable_names]), version)",
         "pass",
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
@@ -158,9 +158,9 @@ MUTATIONS = [
     ),
     Mutation(
         "importance_weight_inverted",
-        "trl_async/trainers/grpo.py",
-        "weights = self._behaviour_weights(old_logps, behaviour, mask)",
-        "weights = self._behaviour_weights(behaviour, old_logps, mask)",
+        "trl_async/trainers/correction.py",
+        "        old_logps, behaviour_logps, mask, mode=settings.mode,",
+        "        behaviour_logps, old_logps, mask, mode=settings.mode,",
         ("tests/test_importance_trainer.py",),
         "the weight is μ/π_old instead of π_old/μ",
     ),
@@ -288,18 +288,18 @@ MUTATIONS = [
     Mutation(
         "ppo_importance_weight_dropped",
         "trl_async/trainers/ppo.py",
-        'return rollout_view(inputs)["sampling_per_token_logps"] if self._corrects_behaviour() else None',
-        "return None",
+        "weights = self._behaviour_correction(output, old_logps, mask=mask).weights",
+        "self._behaviour_correction(output, old_logps, mask=mask)",
         (PPO_STALE_TEST,),
         "PPO trains on stale rows without the truncated importance weight π_old/μ",
     ),
     Mutation(
         "ppo_importance_weight_against_current_policy",
-        "trl_async/algorithms/ppo.py",
-        "            _zero_padding(old_logps, valid),",
-        "            _zero_padding(logps.detach(), valid),",
+        "trl_async/trainers/ppo.py",
+        "weights = self._behaviour_correction(output, old_logps, mask=mask).weights",
+        "weights = self._behaviour_correction(output, output['sampling_per_token_logps'], mask=mask).weights",
         (PPO_STALE_TEST,),
-        "the importance weight is π_θ/μ (the loss's own forward) instead of π_old/μ on a batch reused across steps",
+        "the importance weight is μ/μ = 1 (π_old taken from the wrong tensor) on a batch reused across steps",
     ),
     Mutation(
         "ppo_advantages_whitened_without_centring",
@@ -340,7 +340,7 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- speed, same numbers
     Mutation(
         "shared_prompt_segments_see_each_other",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         "same_or_shared = (segment.unsqueeze(2) == segment.unsqueeze(1)) | (segment.unsqueeze(1) == -1)",
         "same_or_shared = torch.ones_like(segment.unsqueeze(2) == segment.unsqueeze(1))",
         ("tests/test_shared_prompt.py",),
@@ -348,7 +348,7 @@ MUTATIONS = [
     ),
     Mutation(
         "shared_prompt_positions_restart",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         "positions[rows, columns] = (P - 1 + offsets).expand(num_rows, -1)[kept]",
         "positions[rows, columns] = offsets.expand(num_rows, -1)[kept]",
         ("tests/test_shared_prompt.py",),
@@ -356,7 +356,7 @@ MUTATIONS = [
     ),
     Mutation(
         "shared_prompt_unpacks_past_the_row",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         "return values.masked_fill(~in_segment, 0)",
         "return values",
         ("tests/test_shared_prompt.py",),
@@ -364,7 +364,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prompt_prefix_read_by_the_wrong_rows",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         "keys = torch.cat([self.keys[layer_idx][self.row_group], key_states], dim=-2)",
         "keys = torch.cat([self.keys[layer_idx][self.row_group.flip(0)], key_states], dim=-2)",
         ("tests/test_shared_prompt.py",),
@@ -372,7 +372,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prompt_prefix_attends_prompt_padding",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         "shared = prefix_valid[row_group].unsqueeze(1).expand(-1, 1 + L, -1)",
         "shared = torch.ones_like(prefix_valid)[row_group].unsqueeze(1).expand(-1, 1 + L, -1)",
         ("tests/test_shared_prompt.py",),
@@ -380,7 +380,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prompt_prefix_under_reentrant_checkpointing",
-        "trl_async/shared_prompt.py",
+        "trl_async/trainers/forward.py",
         'if settings.get("use_reentrant", True) is not False:',
         "if False:",
         ("tests/test_shared_prompt.py",),
@@ -429,7 +429,7 @@ MUTATIONS = [
     ),
     Mutation(
         "generate_fields_out_of_trls_order",
-        "trl_async/trainers/trl_contract.py",
+        "trl_async/trl_contract.py",
         '    "completions",\n    "logprobs",',
         '    "logprobs",\n    "completions",',
         ("tests/test_trl_contract.py::test_generate_returns_the_fields_in_the_contracts_order",),
@@ -438,14 +438,14 @@ MUTATIONS = [
     Mutation(
         "policy_logps_never_reach_the_correction",
         "trl_async/trainers/engine.py",
-        "            slot.on_policy_logps(slot.policy_logps)",
+        "            self._correct_at_forward(batch, outputs[0].detach())",
         "            pass",
         ("tests/test_importance_trainer.py",),
         "the importance weight is never folded in: TRL's losses train on stale rows uncorrected",
     ),
     Mutation(
         "ppo_config_skips_trls_clip_check",
-        "trl_async/trainers/trl_contract.py",
+        "trl_async/trl_contract.py",
         "    if low is not None and high is not None and low >= high:",
         "    if False:",
         ("tests/test_trl_contract.py::test_finish_grpo_config_is_grpo_configs_post_init",),
@@ -497,7 +497,7 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- staleness study
     Mutation(
         "fixed_staleness_not_held_back",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         "        if self.settings.fixed_staleness:\n",
         "        if False:\n",
         ("tests/test_fixed_staleness.py::test_every_row_is_exactly_k_versions_old_at_its_last_use",),
@@ -529,7 +529,7 @@ MUTATIONS = [
     ),
     Mutation(
         "lent_share_counts_the_whole_run",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         "lent_calls = self._lending.lent_calls - self._lending_counts[1]",
         "lent_calls = self._lending.lent_calls",
         ("tests/test_cores.py::test_async_training_lends_cores_and_restores_the_thread_count",),
@@ -537,7 +537,7 @@ MUTATIONS = [
     ),
     Mutation(
         "switch_repeats_a_batch",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         "self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)",
         "self.queue.open(self._next_index, evicted_before=self._local_evicted_items)",
         ("tests/test_engine.py::test_start_up_switch_trains_every_stream_batch_once_in_order",),
@@ -629,7 +629,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prompt_past_the_context_accepted",
-        "trl_async/validation.py",
+        "trl_async/rollout/prompts.py",
         "if context is not None and len(ids) >= context:",
         "if False:",
         bad_input("prompt_longer_than_context", "prompt_longer_than_context_streamed"),
@@ -637,7 +637,7 @@ MUTATIONS = [
     ),
     Mutation(
         "empty_prompt_accepted",
-        "trl_async/validation.py",
+        "trl_async/rollout/prompts.py",
         'return "is an empty string" if not prompt else None',
         "return None",
         bad_input("empty_prompt", "empty_prompt_streamed_generation_process"),
@@ -645,7 +645,7 @@ MUTATIONS = [
     ),
     Mutation(
         "prompt_column_not_checked",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         'if columns is not None and "prompt" not in columns:',
         "if False:",
         bad_input("no_prompt_column"),
@@ -653,7 +653,7 @@ MUTATIONS = [
     ),
     Mutation(
         "too_few_prompts_accepted",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         "if rows < needed:",
         "if False:",
         bad_input("too_few_prompts"),
@@ -661,7 +661,7 @@ MUTATIONS = [
     ),
     Mutation(
         "reward_columns_not_checked",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         "        if missing:\n            hint",
         "        if False:\n            hint",
         bad_input("text_reward_missing_column", "math_answer_reward_missing_column", "tensor_reward_missing_column"),
@@ -669,7 +669,7 @@ MUTATIONS = [
     ),
     Mutation(
         "generation_device_not_checked",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         'check_generation_device(getattr(args, "generation_device", None))',
         "pass",
         bad_input("generation_device_unknown", "generation_device_absent"),
@@ -677,7 +677,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tokenizer_eos_not_checked",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         "check_eos_and_pad(trainer.processing_class)",
         "pass",
         bad_input("tokenizer_without_eos_or_pad"),
@@ -685,7 +685,7 @@ MUTATIONS = [
     ),
     Mutation(
         "model_id_not_named",
-        "trl_async/validation.py",
+        "trl_async/config/inputs.py",
         "except OSError as error:  # not found, not reachable, gated",
         "except ImportError as error:  # not found, not reachable, gated",
         bad_input("model_id_offline", "reward_model_id_offline"),
@@ -693,7 +693,7 @@ MUTATIONS = [
     ),
     Mutation(
         "corrupt_rollout_state_not_named",
-        "trl_async/validation.py",
+        "trl_async/trainers/checkpoints.py",
         "except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:",
         "except (OSError, UnicodeDecodeError) as error:",
         bad_input("resume_corrupt_rollout_state"),
@@ -701,7 +701,7 @@ MUTATIONS = [
     ),
     Mutation(
         "resume_other_run_accepted",
-        "trl_async/validation.py",
+        "trl_async/trainers/checkpoints.py",
         'saved = (ranks[0].get("run") if ranks else None) or None',
         "saved = None",
         bad_input("resume_run_with_other_settings"),
@@ -733,7 +733,7 @@ MUTATIONS = [
     ),
     Mutation(
         "partial_checkpoint_counts_as_complete",
-        "trl_async/checkpoints.py",
+        "trl_async/trainers/checkpoints.py",
         "return os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)) and not os.path.lexists(incomplete_marker(folder))",
         "return os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE))",
         (
@@ -771,7 +771,7 @@ MUTATIONS = [
     ),
     Mutation(
         "failed_checkpoint_write_unnamed",
-        "trl_async/checkpoints.py",
+        "trl_async/trainers/checkpoints.py",
         "    except Exception as error:\n        previous = last_complete_checkpoint(run_dir)",
         "    except ZeroDivisionError as error:\n        previous = last_complete_checkpoint(run_dir)",
         (
@@ -825,10 +825,18 @@ MUTATIONS = [
         ("tests/test_soak.py",),
         "every consumed batch stays in /dev/shm: the spool grows for the whole run",
     ),
+    Mutation(
+        "vespo_weight_folded_into_the_advantages",
+        "trl_async/trainers/correction.py",
+        'if loss_type == "vespo":',
+        'if loss_type == "no such loss":',
+        ("tests/test_importance_trainer.py",),
+        "VESPO's weight multiplies the advantages instead of entering φ as TRL's importance_sampling_ratio",
+    ),
     # --------------------------------------------------------------------------------------- several processes
     Mutation(
         "start_up_batch_skips_the_eviction_agreement",
-        "trl_async/rollout/client.py",
+        "trl_async/rollout/pipeline.py",
         "staleness = self._agree(batch.staleness)",
         "staleness = batch.staleness",
         (f"{DIVERGING_TEST}[late_generator]",),

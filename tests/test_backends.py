@@ -396,7 +396,7 @@ def trainer_logprobs(trainer, prompt_ids, completion_ids, completion_mask) -> to
 def test_hf_backend_built_from_shared_stores_reproduces_the_trainer_policy(prompt_ids, grpo_trainer):
     from peft import LoraConfig, get_peft_model
 
-    from trl_async.rollout.client import publishable_parameters
+    from trl_async.rollout.pipeline import publishable_parameters
     from trl_async.rollout.weights import SharedWeightStore
 
     sampling = dict(temperature=0.8)

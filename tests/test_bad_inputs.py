@@ -49,7 +49,7 @@ from trl_async.rewards import (
     tensor_reward,
 )
 from trl_async.rollout import GeneratorError
-from trl_async.rollout.client import RolloutClient
+from trl_async.rollout.pipeline import RolloutPipeline
 from trl_async.toy import tiny_model_path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
@@ -413,9 +413,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def generation_processes(monkeypatch):
-    """Every generation process a case starts, with its spool folder: the real `RolloutClient.start`, recorded."""
+    """Every generation process a case starts, with its spool folder: the real `RolloutPipeline.start`, recorded."""
     started = []
-    start = RolloutClient.start
+    start = RolloutPipeline.start
 
     def recording_start(self, *args, **kwargs):
         try:
@@ -423,7 +423,7 @@ def generation_processes(monkeypatch):
         finally:
             started.append((self.process, None if self.queue is None else self.queue.spool_dir))
 
-    monkeypatch.setattr(RolloutClient, "start", recording_start)
+    monkeypatch.setattr(RolloutPipeline, "start", recording_start)
     return started
 
 
@@ -475,9 +475,9 @@ def test_prompt_and_completion_past_the_context_is_a_warning(tmp_path, caplog, g
     """A prompt that fits but leaves fewer than max_completion_length tokens of context: a warning at construction
     (free-length runs rely on EOS arriving first), naming both numbers."""
     user = User(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trl_async.validation"):
+    with caplog.at_level(logging.WARNING, logger="trl_async.config.inputs"):
         user.trainer(dataset=user.dataset(["1+1= " * 50] * 16), args=user.config(max_completion_length=256))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_async.validation"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trl_async.config.inputs"]
     assert len(warnings) == 1 and "max_completion_length=256" in warnings[0] and "256 tokens" in warnings[0]
     assert not generation_processes
 

@@ -23,7 +23,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from tests.support.faults import SCRIPT, assert_nothing_left, read
 from tests.support.trainer_utils import load_model, load_tokenizer, make_args
 from trl_async import AsyncGRPOTrainer
-from trl_async.checkpoints import (
+from trl_async.toy import make_arithmetic_dataset
+from trl_async.trainers.checkpoints import (
     begin_save,
     check_resumable,
     finish_save,
@@ -31,7 +32,6 @@ from trl_async.checkpoints import (
     is_complete_checkpoint,
     last_complete_checkpoint,
 )
-from trl_async.toy import make_arithmetic_dataset
 
 MAX_STEPS, SAVE_STEPS = 12, 3
 

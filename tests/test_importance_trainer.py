@@ -101,12 +101,12 @@ def test_correction_from_trls_own_forward_equals_trls_formula(tmp_path, dataset,
 def test_correction_from_old_logps_when_a_batch_spans_steps(tmp_path, dataset, tokenizer, loss_type):
     """With TRL's `old_per_token_logps` in the batch (computed by TRL when a batch is trained on across several
     optimizer steps), the weight π_old/μ uses them, not the current forward."""
-    ours, theirs = _trainers(tmp_path, dataset, tokenizer, loss_type=loss_type)
+    # Two optimizer steps per generation batch: TRL computes π_old at batch time (`trl_contract.computes_old_logps`).
+    ours, theirs = _trainers(tmp_path, dataset, tokenizer, loss_type=loss_type, steps_per_generation=2)
     inputs, policy = make_batch(tokenizer, ours.model, seed=1)
     old = policy + 0.05 * torch.randn(policy.shape, generator=torch.Generator().manual_seed(5))
     inputs["old_per_token_logps"] = old
-    corrected = dict(inputs)
-    ours._apply_behaviour_correction(corrected, corrected["old_per_token_logps"])  # what _generate_and_score_... does
+    corrected = ours._after_scoring(dict(inputs), None)  # what `_generate_and_score_completions` does
     loss_ours, grads_ours = _loss_and_grads(ours, ours._compute_loss, corrected)
     loss_ref, grads_ref = _trl_with_ratio(theirs, inputs, old, "sequence_mask", None, 3.0)
     torch.testing.assert_close(loss_ours, loss_ref, rtol=1e-5, atol=1e-6)

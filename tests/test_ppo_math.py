@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trl_async.algorithms.importance import truncated_importance_weights
 from trl_async.algorithms.ppo import (
     explained_variance,
     gae,
@@ -381,9 +382,9 @@ def test_policy_loss_token_truncated_importance_weights_by_hand():
     # Gradient on unclipped tokens: w_t · (-A_t ρ_t) / N: t=1: 2 · -0.125 = -0.25, t=3: 0.5 · -0.75 = -0.375.
     logps, old, advantages, mask, _ = policy_example()
     behaviour = old - torch.tensor([[0.0, math.log(2), math.log(4), -math.log(2), 0.0]], dtype=torch.float64)
-    got = ppo_policy_loss(
-        logps, old, advantages, mask, 0.2, behaviour_logps=behaviour, importance_sampling_mode="token_truncate"
-    )
+    weights = truncated_importance_weights(old, behaviour, mask.double(), mode="token_truncate")
+    assert weights[0, :4].tolist() == pytest.approx([1.0, 2.0, 3.0, 0.5])
+    got = ppo_policy_loss(logps, old, advantages, mask, 0.2, importance_weights=weights)
     assert got.loss.item() == pytest.approx(0.275, abs=1e-12)
     assert got.clipfrac.item() == 0.5  # the clip statistics are not weighted
     got.loss.backward()
@@ -401,7 +402,8 @@ def test_policy_loss_sequence_masked_importance_weights_by_hand(shift, want_weig
     # Sequence weight w = exp(Σ_valid (log π_old - log μ)), masked to 0 outside [None, 3]; L = w · (-0.775).
     logps, old, advantages, mask, _ = policy_example()
     behaviour = old - shift
-    got = ppo_policy_loss(logps, old, advantages, mask, 0.2, behaviour_logps=behaviour)
+    weights = truncated_importance_weights(old, behaviour, mask.double(), mode="sequence_mask")
+    got = ppo_policy_loss(logps, old, advantages, mask, 0.2, importance_weights=weights)
     assert got.loss.item() == pytest.approx(want_weight * -0.775, abs=1e-12)
 
 
@@ -413,9 +415,8 @@ def test_policy_loss_equal_behaviour_is_no_correction():
     advantages = torch.randn(4, 6, generator=gen, dtype=torch.float64)
     plain = ppo_policy_loss(logps, old, advantages, mask, 0.2)
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        same = ppo_policy_loss(
-            logps, old, advantages, mask, 0.2, behaviour_logps=old.clone(), importance_sampling_mode=mode
-        )
+        weights = truncated_importance_weights(old, old.clone(), mask.double(), mode=mode)
+        same = ppo_policy_loss(logps, old, advantages, mask, 0.2, importance_weights=weights)
         assert same.loss.item() == pytest.approx(plain.loss.item(), abs=1e-12)
 
 
@@ -444,7 +445,8 @@ def test_all_empty_micro_batch_gives_zero_loss_and_gradient():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     logps = torch.randn(2, 3, requires_grad=True)
     values = torch.randn(2, 3, requires_grad=True)
-    policy = ppo_policy_loss(logps, torch.randn(2, 3), torch.randn(2, 3), mask, 0.2, behaviour_logps=torch.randn(2, 3))
+    weights = truncated_importance_weights(torch.randn(2, 3), torch.randn(2, 3), mask.float())
+    policy = ppo_policy_loss(logps, torch.randn(2, 3), torch.randn(2, 3), mask, 0.2, importance_weights=weights)
     value = value_loss(values, torch.randn(2, 3), torch.randn(2, 3), mask, 0.2)
     (policy.loss + value.loss).backward()
     assert policy.loss.item() == 0.0 and value.loss.item() == 0.0
@@ -455,8 +457,8 @@ def test_policy_loss_rejects_bad_arguments():
     logps, old, advantages, mask, _ = policy_example()
     with pytest.raises(ValueError, match="cliprange"):
         ppo_policy_loss(logps, old, advantages, mask, 0.0)
-    with pytest.raises(ValueError, match="importance_sampling_mode"):
-        ppo_policy_loss(logps, old, advantages, mask, 0.2, behaviour_logps=old, importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="importance_weights"):
+        ppo_policy_loss(logps, old, advantages, mask, 0.2, importance_weights=old[:, :2])
     with pytest.raises(ValueError, match="advantages"):
         ppo_policy_loss(logps, old, advantages[:, :2], mask, 0.2)
 
@@ -571,9 +573,8 @@ def test_no_function_reads_tensor_data_on_the_host(mode):
     explained_variance(empty(), empty(), mask)
     values, logps = empty().requires_grad_(True), empty().requires_grad_(True)
     critic = value_loss(values, empty(), empty(), mask, 0.2)
-    policy = ppo_policy_loss(
-        logps, empty(), empty(), mask, 0.2, behaviour_logps=empty(), importance_sampling_mode=mode
-    )
+    weights = empty() if mode.startswith("token") else torch.empty(B, 1, device="meta")
+    policy = ppo_policy_loss(logps, empty(), empty(), mask, 0.2, importance_weights=weights)
     (policy.loss + 0.1 * critic.loss).backward()
     assert logps.grad.shape == (B, T) and values.grad.shape == (B, T)
     with pytest.raises(RuntimeError):  # the premise: reading a meta tensor's data fails

@@ -33,7 +33,7 @@ from trl_async.algorithms.ppo import (
     value_loss,
 )
 from trl_async.rewards import MathAnswerReward
-from trl_async.rollout.client import publishable_parameters
+from trl_async.rollout.pipeline import publishable_parameters
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 from trl_async.trainers.critic import CRITIC_ADAPTER, CRITIC_FILE, AdapterValueModel, PerTokenValueModel
 

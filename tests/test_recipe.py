@@ -47,8 +47,7 @@ def _check_eval_json(output_dir, argv: list[str]):
     (the model the run saved) training: counts, gain, and the standard error of the paired per-problem differences."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_async.assets import tiny_model_path
-    from trl_async.data import make_arithmetic_dataset
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
     recipe, args, _ = qwen_math.parse_args(argv)
     results = json.loads((output_dir / "eval.json").read_text())

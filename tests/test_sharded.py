@@ -185,8 +185,8 @@ def test_up_front_check_refuses_fsdp1_only(tmp_path, monkeypatch, fsdp_config, e
     from transformers import AutoModelForCausalLM
 
     from trl_async import AsyncGRPOConfig
+    from trl_async.config.refusals import check_async_supported
     from trl_async.toy import tiny_model_path
-    from trl_async.unsupported import check_async_supported
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
         monkeypatch.delenv(name, raising=False)

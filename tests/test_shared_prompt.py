@@ -1,4 +1,4 @@
-"""The shared-prompt training forward (`trl_async/shared_prompt.py`): the same log-probs, entropies and gradients as
+"""The shared-prompt training forward (`trl_async/trainers/forward.py`): the same log-probs, entropies and gradients as
 TRL's forward, with each prompt computed once per group."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
 from tests.support.trainer_utils import answer_reward, load_tokenizer, make_args
-from trl_async import AsyncGRPOTrainer, shared_prompt
-from trl_async.shared_prompt import pack_prompt_groups, prefix_forward, split_prompt_prefix
+from trl_async import AsyncGRPOTrainer
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
+from trl_async.trainers import forward as shared_prompt
+from trl_async.trainers.forward import pack_prompt_groups, prefix_forward, split_prompt_prefix
 
 
 def grpo_batch(seed=0, groups=3, group_size=4, prompt_width=9, completion_width=7, vocab=400, min_completion=1):

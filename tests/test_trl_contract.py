@@ -1,4 +1,4 @@
-"""What the trainers assume of TRL's private `GRPOTrainer` API (`trl_async.trainers.trl_contract`), checked against the
+"""What the trainers assume of TRL's private `GRPOTrainer` API (`trl_async.trl_contract`), checked against the
 installed TRL by running TRL's own methods: an upgrade that changes a hook's signature, the `_generate` tuple or the
 call order the hook slot relies on fails here, naming it."""
 
@@ -10,9 +10,8 @@ import pytest
 from trl import GRPOConfig, GRPOTrainer
 
 from tests.support.trainer_utils import length_reward, load_model, load_tokenizer, make_args
-from trl_async import AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
+from trl_async import AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer, trl_contract
 from trl_async.toy import make_arithmetic_dataset
-from trl_async.trainers import trl_contract
 from trl_async.trainers.engine import AsyncRolloutMixin
 
 
@@ -149,6 +148,31 @@ def test_compute_loss_runs_the_policy_forward_before_reading_the_advantages(trl_
     trl_trainer._compute_loss(trl_trainer.model, recorded)
     assert "forward" in order and "advantages" in order, order
     assert order.index("forward") < order.index("advantages"), order
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {},  # one micro-batch per generation batch, one per optimizer step: used within one step
+        {"steps_per_generation": 2},  # a generation batch over two optimizer steps
+        {"gradient_accumulation_steps": 2, "steps_per_generation": 2},  # two micro-steps, one optimizer step
+        {"num_iterations": 2},  # reused: two optimizer steps
+    ],
+    ids=["within_one_step", "over_two_steps", "accumulated", "two_iterations"],
+)
+def test_trl_computes_old_logps_exactly_when_the_contract_says(tmp_path, tokenizer, dataset, schedule):
+    """`computes_old_logps(args)` decides, from the config alone, whether a batch carries TRL's π_old; TRL's own
+    scoring must agree (the trainers never look for the key)."""
+    args = make_args(tmp_path, config_cls=GRPOConfig, max_completion_length=4, **schedule)
+    trainer = GRPOTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.model.train()
+    rows = [dataset[i] for i in range(args.generation_batch_size // args.num_generations)]
+    batch = trainer._generate_and_score_completions([row for row in rows for _ in range(args.num_generations)])
+    assert (batch.get("old_per_token_logps") is not None) == trl_contract.computes_old_logps(args)
+    assert trl_contract.computes_old_logps(args) == (schedule not in ({}, {"gradient_accumulation_steps": 2,
+                                                                          "steps_per_generation": 2}))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- the hook slot

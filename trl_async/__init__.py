@@ -6,7 +6,10 @@ The public names are imported on first use (PEP 562), so that the generation pro
 
 import importlib
 
+from . import _compat
+
 __version__ = "0.1.0"
+_compat.install()  # old import paths keep working, with a warning, until _compat.REMOVAL_VERSION
 
 _PUBLIC = {
     "AsyncGRPOConfig": ".config",

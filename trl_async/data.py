@@ -107,17 +107,7 @@ def load_gsm8k(name_or_path: str = "openai/gsm8k", split: str = "train", config:
     return ds.map(convert, remove_columns=["question", *extra])
 
 
-_MOVED_TO_TOY = ("SUPPORTED_OPS", "arithmetic_prompt", "arithmetic_solution", "make_arithmetic_dataset")
+def __getattr__(name):  # PEP 562: names that moved away (the arithmetic task: `trl_async.toy`); see `_compat`
+    from . import _compat
 
-
-def __getattr__(name):  # PEP 562: the arithmetic task moved to `trl_async.toy`
-    if name in _MOVED_TO_TOY:
-        import warnings
-
-        from .toy import arithmetic
-
-        warnings.warn(
-            f"trl_async.data.{name} moved to trl_async.toy; import it from there.", FutureWarning, stacklevel=2
-        )
-        return getattr(arithmetic, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _compat.moved_attribute(__name__, name)

@@ -36,8 +36,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .importance import IS_MODES, truncated_importance_weights
-
 __all__ = [
     "KL_ESTIMATORS",
     "REWARD_KL_ESTIMATORS",
@@ -380,10 +378,7 @@ def ppo_policy_loss(
     mask: Tensor,
     cliprange: float,
     *,
-    behaviour_logps: Tensor | None = None,
-    importance_sampling_mode: str = "sequence_mask",
-    importance_sampling_clip_min: float | None = None,
-    importance_sampling_clip_max: float | None = 3.0,
+    importance_weights: Tensor | None = None,
     approx_kl_estimator: str = "k3",
     normalizer: Tensor | float | None = None,
 ) -> PolicyLossOutput:
@@ -396,11 +391,11 @@ def ppo_policy_loss(
     N is the number of valid tokens (TRL's former ``masked_mean(pg_loss_max, ~padding_mask)``) or ``normalizer``
     when given. Gradient flows through ``logps`` only.
 
-    **Importance correction against the behaviour policy μ** (``behaviour_logps`` given): rows from the async
-    queue were sampled by μ, an older policy than π_old. As in GRPO (``trl_async.importance``, TRL 1.16's
-    ``vllm_importance_sampling_*`` semantics), the per-token loss is multiplied by the truncated importance weight
-    w = π_old / μ, per token or per sequence, truncated (clamped into [clip_min, clip_max]) or masked (0 outside).
-    Without ``behaviour_logps``, w = 1. The defaults are TRL 1.16's GRPOConfig defaults ("sequence_mask", max 3.0).
+    **Importance correction against the behaviour policy μ** (``importance_weights`` given): rows from the async
+    queue were sampled by μ, an older policy than π_old, and the per-token loss is multiplied by the truncated
+    importance weight w = π_old / μ, (B, T) per token or (B, 1) per sequence, as GRPO's TRL losses are
+    (``trl_async.trainers.correction`` computes it, TRL 1.16's ``vllm_importance_sampling_*`` semantics). Without
+    ``importance_weights``, w = 1.
 
     Returns ``PolicyLossOutput(loss, clipfrac, approx_kl)``, the last two detached and unweighted by w:
       * clipfrac: fraction of valid tokens whose clipped term is strictly larger (TRL's ``policy/clipfrac_avg``;
@@ -413,8 +408,6 @@ def ppo_policy_loss(
         raise ValueError(f"`cliprange` must be > 0, got {cliprange}.")
     if approx_kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"`approx_kl_estimator` must be one of {KL_ESTIMATORS}, got {approx_kl_estimator!r}.")
-    if importance_sampling_mode not in IS_MODES:
-        raise ValueError(f"`importance_sampling_mode` must be one of {IS_MODES}, got {importance_sampling_mode!r}.")
     _same_shape(old_logps, logps, "old_logps", "logps")
     _same_shape(advantages, logps, "advantages", "logps")
     valid = _valid(mask, logps)
@@ -425,17 +418,13 @@ def ppo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     per_token = torch.maximum(unclipped, clipped)
-    if behaviour_logps is not None:
-        _same_shape(behaviour_logps, logps, "behaviour_logps", "logps")
-        weights = truncated_importance_weights(
-            _zero_padding(old_logps, valid),
-            _zero_padding(behaviour_logps.detach().to(logps.dtype), valid),
-            valid.to(logps.dtype),
-            mode=importance_sampling_mode,
-            clip_min=importance_sampling_clip_min,
-            clip_max=importance_sampling_clip_max,
-        )
-        per_token = per_token * weights
+    if importance_weights is not None:
+        if importance_weights.shape not in (logps.shape, (logps.size(0), 1)):
+            raise ValueError(
+                f"`importance_weights` must have shape {tuple(logps.shape)} or ({logps.size(0)}, 1), got "
+                f"{tuple(importance_weights.shape)}."
+            )
+        per_token = per_token * importance_weights.detach().to(logps.dtype)
     loss = _normalised_sum(per_token, valid, normalizer)
     clipfrac = masked_mean(((clipped > unclipped) & valid).to(logps.dtype), valid).detach()
     kl = per_token_kl(old_logps, logps.detach(), valid, approx_kl_estimator)

@@ -148,7 +148,7 @@ class AsyncGRPOConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Compute each prompt once per group in the training forward instead of once per completion "
-            "(trl_async/shared_prompt.py), with the log-probs and gradients of TRL's forward: the rows of a group are "
+            "(trl_async/trainers/forward.py), with the log-probs and gradients of TRL's forward: the rows of a group are "
             "packed into one sequence, each completion attending to the shared prompt and to itself; where that "
             "saves under 20% of the tokens (long completions), the prompts run once as a key/value prefix that the "
             "completions read (single-process training only). 'auto': on when the trainer computes on the CPU, "

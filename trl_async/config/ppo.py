@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..trainers.trl_contract import finish_grpo_config
+from ..trl_contract import finish_grpo_config
 from .grpo import AsyncGRPOConfig, _check, ensure_async_fields
 
 PPO_LOSS_TYPES = ("ppo", "m2po")

@@ -3,9 +3,9 @@ and the trainer-side rollout component that the trainers share."""
 
 from ..schedule import last_use_version
 from .backends import GenerationBackend, GenerationOutput, HFBackend, ModelSpec, generate_with_behaviour_logprobs
-from .client import RolloutBatch, RolloutClient, RolloutSettings
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, batch_seed
 from .payload import RolloutPayload
+from .pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
 from .prompts import PromptStream
 from .queue import QueueClosed, QueueItem, StalenessBoundedQueue
 from .weights import SharedWeightStore
@@ -23,7 +23,7 @@ __all__ = [
     "QueueItem",
     "RolloutPayload",
     "RolloutBatch",
-    "RolloutClient",
+    "RolloutPipeline",
     "RolloutProducer",
     "RolloutSettings",
     "SharedWeightStore",
@@ -32,3 +32,9 @@ __all__ = [
     "generate_with_behaviour_logprobs",
     "last_use_version",
 ]
+
+
+def __getattr__(name):  # PEP 562: renamed names (`RolloutClient`); see `trl_async._compat`
+    from .. import _compat
+
+    return _compat.moved_attribute(__name__, name)

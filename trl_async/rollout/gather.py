@@ -17,7 +17,7 @@ parameters into exactly that, with torch's and DeepSpeed's own machinery:
 
 Gathering is a collective: every rank must walk the same parameters in the same order at the same moment (the trainer
 publishes on every rank at the same optimizer steps). Each rank then writes its own generation process's store (see
-`RolloutClient.publish`): after an all-gather every rank already holds the whole tensor, so this costs no further
+`RolloutPipeline.publish`): after an all-gather every rank already holds the whole tensor, so this costs no further
 communication, and the one-generator-per-rank design stays as it is.
 
 Names: wrappers that torch and accelerate put around modules add a path component to parameter names

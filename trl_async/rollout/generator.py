@@ -4,7 +4,7 @@
 as TRL does, samples completions with behaviour log-probs, scores them with the reward callables (tensor-native ones
 on the ids, without decoding; text ones after one decode) and returns the payload the trainer consumes. The generation
 process runs it in a loop (`_generator_main`); the trainer runs the very same code on its own model for the first
-batches of a run, while the generation process is still starting (see `trl_async.rollout.client`).
+batches of a run, while the generation process is still starting (see `trl_async.rollout.pipeline`).
 
 The generation process is seeded per batch from (`seed`, its process index, the batch's position in the stream), as
 TRL seeds ranks: a batch is a function of the weights, the prompts and that seed, wherever it is generated.
@@ -37,11 +37,10 @@ import cloudpickle
 import torch
 import torch.multiprocessing as torch_mp
 
-from ..validation import check_prompt_ids, check_prompt_values, context_length
 from .backends import GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
 from .payload import RolloutPayload
-from .prompts import PromptStream
+from .prompts import PromptStream, check_prompt_ids, check_prompt_values, context_length
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
@@ -331,7 +330,7 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _trainer_state_reader(path: str):
-    """Reads the trainer-state snapshot the trainer publishes with each weights version (see RolloutClient)."""
+    """Reads the trainer-state snapshot the trainer publishes with each weights version (see RolloutPipeline)."""
     from transformers import TrainerState
 
     cache = {"mtime": None, "state": None}

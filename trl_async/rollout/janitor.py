@@ -2,7 +2,7 @@
 trainer is gone.
 
 The trainer removes its spool (the queue's folder in `/dev/shm`) itself on every exit it sees: a return, an exception,
-Ctrl-C, SIGTERM (`RolloutClient.close`, `termination.exit_on_sigterm`). A trainer killed outright (SIGKILL, the OOM
+Ctrl-C, SIGTERM (`RolloutPipeline.close`, `termination.exit_on_sigterm`). A trainer killed outright (SIGKILL, the OOM
 killer, a launcher's escalation after its grace period) runs no code at all, and its generation process dies with it
 (PR_SET_PDEATHSIG: the kernel SIGKILLs it), so neither can remove the spool. Nor should the generation process be
 trusted with it: it may be the process that was killed.

@@ -23,7 +23,7 @@ TRL's class, so a change in TRL fails loudly.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -149,3 +149,75 @@ def repeat_sampler_epochs(
         yield [
             index for group in groups if len(group) == batch_size for index in group for _ in range(mini_repeat_count)
         ]
+
+
+# ------------------------------------------------------------------------------------------------------- checks
+# Prompt values and lengths, checked by the trainer up front (`config.inputs`, on the first rows of a map-style
+# dataset) and by the generation process on every batch it draws (an iterable dataset is only seen there).
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context window in tokens, from its (text) config; None if the config does not say."""
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """Why a prompt value cannot be generated from, or None."""
+    if isinstance(prompt, str):
+        return "is an empty string" if not prompt else None
+    if isinstance(prompt, list):
+        if not prompt:
+            return "is an empty conversation (no messages)"
+        for message in prompt:
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                return f"has a message {message!r} that is not a dict with 'role' and 'content'"
+        return None
+    return f"is {prompt!r} ({type(prompt).__name__}), not a string or a list of messages"
+
+
+def check_prompt_values(prompts: Sequence[Any], first_row: int | None = 0) -> None:
+    """Every prompt is a non-empty string or a non-empty conversation (a list of {'role', 'content'} messages).
+    `first_row`: the dataset row of the first prompt, or None when unknown (a batch drawn by the generation process)."""
+    for offset, prompt in enumerate(prompts):
+        problem = _prompt_problem(prompt)
+        if problem is not None:
+            where = f"train_dataset row {first_row + offset}" if first_row is not None else "A row of this batch"
+            raise ValueError(
+                f"{where}: its 'prompt' {problem}. Each prompt must be a non-empty "
+                "string or a list of {'role': ..., 'content': ...} messages; fix or drop the row (e.g. "
+                "`dataset.filter(lambda row: row['prompt'])`)."
+            )
+
+
+def check_prompt_ids(
+    prompt_ids: Sequence[Sequence[int]],
+    context: int | None,
+    first_row: int | None = None,
+    prompts: Sequence[Any] | None = None,
+) -> None:
+    """No prompt is empty once tokenized, and each leaves room for at least one completion token in the model's
+    context. `first_row`: the dataset row of the first prompt, when known; else `prompts` (the error quotes it)."""
+    for offset, ids in enumerate(prompt_ids):
+        if first_row is not None:
+            where = f"train_dataset row {first_row + offset}"
+        else:
+            quoted = repr(prompts[offset])[:80] if prompts is not None else "?"
+            where = f"A prompt of this batch ({quoted})"
+        if len(ids) == 0:
+            raise ValueError(
+                f"{where}: its prompt tokenizes to no token at all. Fix or drop the row (e.g. "
+                "`dataset.filter(lambda row: row['prompt'])`)."
+            )
+        if context is not None and len(ids) >= context:
+            raise ValueError(
+                f"{where}: its prompt has {len(ids)} tokens, but the model's context is {context} tokens "
+                f"(max_position_embeddings), which leaves no room for a completion. Shorten or drop the prompts of "
+                f"{context} tokens or more (e.g. with `dataset.filter`), or use a model with a longer context."
+            )

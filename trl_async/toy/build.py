@@ -107,7 +107,7 @@ def _problem_of(prompt_text: str) -> tuple[int, str, int]:
 
 
 def _encode_examples(tokenizer, rows) -> list[tuple[list[int], list[int]]]:
-    from ..data import arithmetic_solution
+    from .arithmetic import arithmetic_solution
 
     prompt_texts = [tokenizer.apply_chat_template(r, add_generation_prompt=True, tokenize=False) for r in rows]
     completions = [arithmetic_solution(*_problem_of(r[0]["content"])) + EOS_IM for r in rows]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ..rollout.client import RolloutBatch
+    from ..rollout.pipeline import RolloutBatch
 
 
 class RolloutFields(TypedDict):
@@ -56,7 +56,7 @@ def rollout_view(inputs: dict) -> RolloutFields:
     if missing:
         raise KeyError(
             f"The batch of an asynchronous training step lacks {', '.join(missing)}: every rollout batch carries "
-            "them (trl_async.trainers.batch). TRL's scoring may have changed what it keeps (trainers.trl_contract)."
+            "them (trl_async.trainers.batch). TRL's scoring may have changed what it keeps (trl_contract)."
         )
     return RolloutFields(**{name: inputs[name] for name in RolloutFields.__annotations__})
 

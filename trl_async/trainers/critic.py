@@ -7,7 +7,7 @@
   copy of the base weights).
 
 Neither is ever published to the generator: only the policy is (a PEFT critic adapter is not the active adapter,
-which `rollout.client.publishable_parameters` skips).
+which `rollout.pipeline.publishable_parameters` skips).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """`AsyncRolloutMixin`: what both trainers add to TRL's `GRPOTrainer` to train on rollouts of a generation process.
 
 `AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer)` and `AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer)` share it.
-It owns the trainer side of the rollout engine (`rollout.client.RolloutClient`: the generation process, the queue,
+It owns the trainer side of the rollout engine (`rollout.pipeline.RolloutPipeline`: the generation process, the queue,
 weight publishing) and the TRL hooks every asynchronous trainer needs; the trainers add their losses.
 
-TRL hooks it replaces (each docstring says what and why; `trainers.trl_contract` lists what it assumes of TRL):
+TRL hooks it replaces (each docstring says what and why; `trl_contract` lists what it assumes of TRL):
 
 * `get_train_dataloader`: the dataloader only paces TRL's loop (epochs, lengths, resume skipping stay TRL's); the
   rows come from the generation process, which owns the prompt stream.
@@ -18,8 +18,9 @@ TRL hooks it replaces (each docstring says what and why; `trainers.trl_contract`
 
 **The hand-off.** Where TRL's call order forces state from one hook to the next within one of TRL's calls, it goes
 through `HookSlot`, created when the call starts and removed when it ends (`_hand_off`), and nowhere else: the rollout
-batch that `_generate` and `_calculate_rewards` serve, the reward matrix `_calculate_rewards` returned, and the policy
-log-probs of `_compute_loss`'s forward. `tests/test_trl_contract.py` fails if TRL calls these hooks in another order.
+batch that `_generate` and `_calculate_rewards` serve, the reward matrix `_calculate_rewards` returned, and a GRPO
+batch whose correction against μ waits for `_compute_loss`'s own forward (`HookSlot.correct_at_forward`,
+`trainers.correction`). `tests/test_trl_contract.py` fails if TRL calls these hooks in another order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Callable
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -38,36 +38,53 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import logger as trl_logger
 
-from ..algorithms.m2po import M2PO_SUM_KEYS, m2po_metrics, m2po_select, m2po_select_global
+from .. import trl_contract
 from ..algorithms.offpolicy import (
-    OFFPOLICY_SUM_KEYS,
     batch_ess,
     log_histogram_to_trackers,
-    m2po_offpolicy_sums,
-    offpolicy_metrics,
     row_age_counts,
 )
-from ..checkpoints import (
-    begin_save,
-    check_resumable,
-    finish_save,
-    last_complete_checkpoint,
-    naming_failed_writes,
-    rotate,
-)
 from ..config import async_field
+from ..config.inputs import check_inputs_after_init, check_inputs_before_init
+from ..config.refusals import check_async_supported
 from ..hub import ModelCardMixin
-from ..rollout.client import ASYNC_WINDOW_KEYS, CHECKPOINT_FILE, RolloutBatch, RolloutClient, RolloutSettings
 from ..rollout.generator import warm_up_generator_start
+from ..rollout.pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
 from ..rollout.prompts import is_iterable_dataset
 from ..rollout.termination import exit_on_sigterm
 from ..schedule import micro_steps_per_generation, versions_until_last_use
-from ..unsupported import check_async_supported
-from ..validation import check_inputs_after_init, check_inputs_before_init, check_resume, run_geometry
-from . import collectives, forward, trl_contract
+from . import collectives, forward
 from .batch import rollout_fields, rollout_view
+from .checkpoints import (
+    ROLLOUT_STATE_FILE,
+    begin_save,
+    check_resumable,
+    check_resume,
+    finish_save,
+    last_complete_checkpoint,
+    naming_failed_writes,
+    rank_rollout_state,
+    rotate,
+    run_geometry,
+    write_rollout_state,
+)
+from .correction import (
+    BehaviourCorrection,
+    CorrectionSettings,
+    apply_to_trl_batch,
+    behaviour_correction,
+    m2po_correction,
+)
 from .rollout_spec import generator_spec, placement
-from .statistics import MAX, MIN, Field, StatisticsLayout, WindowStatistics
+from .statistics import (
+    Field,
+    StatisticsLayout,
+    WindowStatistics,
+    record_async_window,
+    record_completions,
+    trainer_fields,
+    trainer_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +93,16 @@ logger = logging.getLogger(__name__)
 class HookSlot:
     """The one hand-off between TRL's hooks, for the length of one of TRL's calls (`AsyncRolloutMixin._hand_off`).
 
-    Inputs the hooks read: `batch`, `on_policy_logps`. Outputs they record: `rewards_per_func`, `policy_logps`."""
+    Inputs the hooks read: `batch`, `correct_at_forward`. Output they record: `rewards_per_func`."""
 
     # `_generate_and_score_completions`: the rollout batch TRL is scoring (None: TRL generates, e.g. evaluation).
     batch: RolloutBatch | None = None
     # What `_calculate_rewards` returned in that call: TRL's reward matrix, gathered (PPO's sequence scores).
     rewards_per_func: torch.Tensor | None = None
-    # `_compute_loss`: called once with the log-probs of its policy forward (detached), before TRL reads the
-    # advantages (`trl_contract.CALL_ORDER`); the importance weight needs π_old, which is that forward's output.
-    on_policy_logps: Callable[[torch.Tensor], None] | None = None
-    policy_logps: torch.Tensor | None = None
+    # `_compute_loss` of a GRPO batch used within one optimizer step: the batch dict TRL's loss is about to read. π_old
+    # is that call's own policy forward, which TRL runs before it reads the advantages (`trl_contract.CALL_ORDER`):
+    # the forward override corrects this dict against μ in between (`_correct_at_forward`), once per call.
+    correct_at_forward: dict | None = None
 
 
 class _PublishWeights(TrainerCallback):
@@ -162,7 +179,7 @@ class AsyncRolloutMixin(ModelCardMixin):
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
         layout = StatisticsLayout(self._statistics_fields())
         self._statistics = {mode: WindowStatistics(layout, self.accelerator.device) for mode in ("train", "eval")}
-        self._rollout = RolloutClient(
+        self._rollout = RolloutPipeline(
             self._rollout_settings(),
             all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
         )
@@ -197,7 +214,7 @@ class AsyncRolloutMixin(ModelCardMixin):
 
     def _check_vllm_backend(self) -> None:
         """A sampling setting vLLM cannot honour fails before any process starts (vLLM's presence:
-        `validation.check_vllm_installed`, before the model loads)."""
+        `config.inputs.check_vllm_installed`, before the model loads)."""
         from ..rollout.backends.vllm import sampling_kwargs
 
         if self.args.inflight_weight_updates:
@@ -235,8 +252,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         """`Trainer.train`, plus:
 
         * `resume_from_checkpoint=True` picks the newest *complete* checkpoint, where transformers' `get_last_checkpoint`
-          would pick the newest folder, and a path to a partial one is refused (`trl_async.checkpoints`); the
-          checkpoint is checked against this run (`validation.check_resume`);
+          would pick the newest folder, and a path to a partial one is refused (`trl_async.trainers.checkpoints`); the
+          checkpoint is checked against this run (`checkpoints.check_resume`);
         * the generation process is stopped on return, exception, Ctrl-C or SIGTERM (`rollout.termination`)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
@@ -407,8 +424,9 @@ class AsyncRolloutMixin(ModelCardMixin):
         **multimodal_inputs,
     ):
         """Replaces TRL's forward by one that computes each prompt once per group where that applies
-        (`trainers.forward`: same log-probs and gradients), and records the first one of a `_compute_loss` call in
-        the hook slot (`HookSlot.on_policy_logps`). Otherwise it is `super()`."""
+        (`trainers.forward`: same log-probs and gradients). The first forward of a `_compute_loss` call whose batch
+        awaits its correction against μ (`HookSlot.correct_at_forward`) also applies it (`_correct_at_forward`).
+        Otherwise it is `super()`."""
 
         def trl_forward(ids, mask):  # TRL's forward for one chunk
             return super(AsyncRolloutMixin, self)._get_per_token_logps_and_entropies(
@@ -425,27 +443,50 @@ class AsyncRolloutMixin(ModelCardMixin):
                 **multimodal_inputs,
             )  # fmt: skip
         slot = self._slot()
-        if slot is not None and slot.on_policy_logps is not None and slot.policy_logps is None:
-            slot.policy_logps = outputs[0].detach()
-            slot.on_policy_logps(slot.policy_logps)
+        if slot is not None and slot.correct_at_forward is not None:
+            batch, slot.correct_at_forward = slot.correct_at_forward, None  # once: the policy's forward comes first
+            self._correct_at_forward(batch, outputs[0].detach())
         return outputs
 
-    # --------------------------------------------------------------------------------------------- M2PO, shared
+    def _correct_at_forward(self, batch: dict, old_logps: torch.Tensor) -> None:
+        """TRL's `_compute_loss` is about to read `batch` (a copy of the buffered one): π_old is its forward's output,
+        so the correction against μ (`trainers.correction`) is applied to it now, in place."""
+        corrected = apply_to_trl_batch(batch, self._behaviour_correction(batch, old_logps), self.loss_type)
+        batch.update(corrected)
+
+    # --------------------------------------------------------------------------------------------- the correction
+    def _correction_settings(self, mode: str = "train") -> CorrectionSettings:
+        """Whether TRL's truncated weight π_old/μ applies: rollout rows (an asynchronous training step) that can be
+        stale (`max_staleness > 0`), with `vllm_importance_sampling_correction` on (TRL's default); M2PO's scope.
+        Decided by the mode and the config, the same on every rank whatever its batch."""
+        corrects = (
+            self._async_training()
+            and bool(self.args.vllm_importance_sampling_correction)
+            and (async_field(self.args, "max_staleness") or 0) > 0
+        )
+        m2po_global = async_field(self.args, "m2po_scope") == "global" and mode == "train"
+        return CorrectionSettings.from_args(self.args, corrects, m2po_global=m2po_global)
+
+    def _behaviour_correction(
+        self, batch: dict, old_logps: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> BehaviourCorrection:
+        """The correction of a rollout batch against its μ given π_old (`trainers.correction`), over `mask` (default:
+        the loss mask of TRL's batch), its figures recorded."""
+        behaviour = rollout_view(batch)["sampling_per_token_logps"]
+        mask = self._loss_mask(batch) if mask is None else mask
+        correction = behaviour_correction(old_logps, behaviour, mask, self._correction_settings())
+        self._record_correction("train", correction)
+        return correction
+
     def _m2po_selection(self, delta, mask, advantages, mode: str, record_offpolicy: bool):
-        """M2PO's token selection (`algorithms.m2po`) for this micro-batch, or over the whole optimizer batch of
-        every rank (`m2po_scope="global"`, training only), with its `offpolicy/*` figures recorded."""
-        args = self.args
-        floors = dict(clip_floor_low=args.m2po_clip_floor_low, clip_floor_high=args.m2po_clip_floor_high)
-        adv = advantages.detach().unsqueeze(1) if advantages.dim() == 1 else advantages.detach()
-        if args.m2po_scope == "global" and mode == "train":
-            # The whole optimizer batch (gradient_accumulation_steps=1: this micro-batch on every rank).
-            selection = m2po_select_global(delta, mask, args.m2po_threshold, adv, args.m2po_rule, **floors)
-        else:
-            selection = m2po_select(delta, mask, args.m2po_threshold, adv, args.m2po_rule, **floors)
+        """M2PO's token selection for this micro-batch, or over the whole optimizer batch of every rank
+        (`m2po_scope="global"`, training only), with its `offpolicy/*` figures recorded for rollout rows."""
+        selection, sums = m2po_correction(delta, mask, advantages, self._correction_settings(mode))
         if record_offpolicy:
-            self._record_offpolicy(mode, m2po_offpolicy_sums(delta, mask, selection))
+            self._record_offpolicy(mode, sums)
         return selection
 
+    # --------------------------------------------------------------------------------------------- figures
     def _record_m2po_stats(self, mode: str, stats) -> None:
         """Adds one micro-batch's M2PO sums to the logging window (token-weighted over the window and every rank when
         logged), and warns when M2PO masked every token of it."""
@@ -457,17 +498,6 @@ class AsyncRolloutMixin(ModelCardMixin):
                 "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
                 self.args.m2po_threshold,
             )
-
-    # --------------------------------------------------------------------------------------------- off-policy
-    def _corrects_behaviour(self) -> bool:
-        """Whether the rows of this loss get TRL's truncated importance weight π_old/μ: rollout rows (an asynchronous
-        training step) that can be stale (`max_staleness > 0`), with `vllm_importance_sampling_correction` on (TRL's
-        default). Decided by the mode and the config, the same on every rank whatever its batch."""
-        return (
-            self._async_training()
-            and bool(self.args.vllm_importance_sampling_correction)
-            and (async_field(self.args, "max_staleness") or 0) > 0
-        )
 
     def _record_offpolicy(self, mode: str, sums: torch.Tensor) -> None:
         """One batch's `offpolicy_sums` (see `algorithms.offpolicy`) and its effective sample size, into the window."""
@@ -492,33 +522,15 @@ class AsyncRolloutMixin(ModelCardMixin):
         token_ages = (self.state.global_step - fields["rollout_token_versions"])[mask].double()
         statistics.add("token_ages", torch.stack([token_ages.sum(), token_ages.new_tensor(token_ages.numel())]))
 
-    def _record_importance_weights(self, weights: torch.Tensor, mask: torch.Tensor) -> None:
-        """TRL's `sampling/importance_sampling_ratio/*` figures for the weights π_old/μ a loss applied ((B, T) in token
-        modes, (B, 1) in sequence modes), plus the share the truncation changed: set to 0 (mask modes) or clamped to
-        a bound (truncate modes; a ratio exactly on a bound has probability zero)."""
-        args = self.args
-        mask = mask.bool()
-        counted = mask.any(dim=1, keepdim=True) if weights.size(1) == 1 else mask
-        weights = weights.detach().to(torch.float64)
-        if args.vllm_importance_sampling_mode.endswith("mask"):
-            changed = weights == 0
-        else:
-            bounds = [b for b in (args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max) if b]
-            changed = torch.isin(weights, torch.tensor(bounds, dtype=weights.dtype, device=weights.device))
-        statistics = self._statistics["train"]
-        statistics.add(
-            "importance_weights",
-            torch.stack(
-                [
-                    torch.where(counted, weights, 0.0).sum(),
-                    counted.sum().double(),
-                    (counted & (weights == 0)).sum().double(),
-                    (counted & changed).sum().double(),
-                ]
-            ),
-        )
-        statistics.add("importance_weights_min", torch.where(counted, weights, torch.inf).min())
-        statistics.add("importance_weights_max", torch.where(counted, weights, -torch.inf).max())
+    def _record_correction(self, mode: str, correction: BehaviourCorrection) -> None:
+        """A batch's correction figures into the window: `offpolicy/*`, and TRL's `sampling/importance_sampling_ratio/*`
+        for the weights it applied."""
+        self._record_offpolicy(mode, correction.offpolicy_sums)
+        if correction.weight_sums is not None:
+            statistics = self._statistics[mode]
+            statistics.add("importance_weights", correction.weight_sums)
+            statistics.add("importance_weights_min", correction.weight_min)
+            statistics.add("importance_weights_max", correction.weight_max)
 
     def _record_token_mean(self, mode: str, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
         """A per-token figure (`entropy`, `kl`), token-weighted over the window and every rank when logged."""
@@ -544,7 +556,7 @@ class AsyncRolloutMixin(ModelCardMixin):
 
         * the position of every rank's prompt stream (`trl_async_rollout.json`, with the run's batch settings, checked
           on resume), so that a resumed run trains on the batch that comes next, with the same per-batch seeds;
-        * a save that is either complete or known to be partial (`trl_async.checkpoints`): marked incomplete before its
+        * a save that is either complete or known to be partial (`trl_async.trainers.checkpoints`): marked incomplete before its
           first file, complete once every rank wrote its files, and older checkpoints rotated away (Trainer's
           `save_total_limit`, held back during Trainer's save, which rotates at its end) only then;
         * a write that fails (a full disk, a read-only folder) raises `CheckpointSaveError` naming the folder."""
@@ -566,7 +578,7 @@ class AsyncRolloutMixin(ModelCardMixin):
             states = gather_object([state])
         with naming_failed_writes(folder, run_dir):
             if self.args.should_save and states is not None and os.path.isdir(folder):
-                RolloutClient.save_checkpoint_state(states, folder)
+                write_rollout_state(states, folder)
         self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are written
         if self.args.should_save:
             finish_save(folder)
@@ -577,146 +589,49 @@ class AsyncRolloutMixin(ModelCardMixin):
         position for this rank's generation process."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            state = RolloutClient.load_checkpoint_state(checkpoint, self.accelerator.process_index)
+            state = rank_rollout_state(checkpoint, self.accelerator.process_index)
             if state is None and async_field(self.args, "async_generation"):
                 logger.warning(
                     "trl_async: %s has no %s (written by a synchronous run?); the prompt stream restarts from its "
-                    "first batch.", checkpoint, CHECKPOINT_FILE
+                    "first batch.", checkpoint, ROLLOUT_STATE_FILE
                 )  # fmt: skip
             self._rollout.restore(state)
 
     # --------------------------------------------------------------------------------------------- metrics
     def _statistics_fields(self) -> list[Field]:
-        """The layout of the trainers' statistics (`trainers.statistics`), from the config alone; subclasses add
-        theirs. Recorded where computed, reduced over the ranks once per log."""
-        max_age = int(async_field(self.args, "max_staleness") or 0)
-        return [
-            Field("async", len(ASYNC_WINDOW_KEYS)),
-            Field("async_staleness_max", 1, MAX),
-            Field("offpolicy", len(OFFPOLICY_SUM_KEYS)),
-            Field("offpolicy_ess", 2),
-            Field("offpolicy_ess_min", 1, MIN),
-            Field("row_ages", max_age + 2),
-            Field("token_ages", 2),
-            Field("m2po", len(M2PO_SUM_KEYS)),
-            Field("importance_weights", 4),
-            Field("importance_weights_min", 1, MIN),
-            Field("importance_weights_max", 1, MAX),
-            Field("token_mean/entropy", 2),
-            Field("token_mean/kl", 2),
-            Field("completions", len(_COMPLETION_SUMS)),
-            Field("completions_min", 2, MIN),
-            Field("completions_max", 2, MAX),
-        ]
+        """The layout of the trainers' figures (`trainers.statistics`), from the config alone; subclasses add theirs."""
+        return trainer_fields(max_age=int(async_field(self.args, "max_staleness") or 0))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`GRPOTrainer.log`, plus the trainers' own metrics of the logging window (`async/*`, `offpolicy/*`,
-        `m2po/*`, `ppo/*`, the importance-weight figures), computed from window totals over every rank (TRL averages
-        the values appended during the window; a mean of per-batch fractions or maxima would not mean what the names
-        say); `m2po/all_masked_batches` is a count. One reduction over the ranks, on every rank at every log."""
+        `m2po/*`, `ppo/*`, the importance-weight and completion figures), computed from window totals over every rank
+        (TRL averages the values appended during the window; a mean of per-batch fractions or maxima would not mean
+        what the names say). One reduction over the ranks, on every rank at every log (`trainers.statistics`)."""
         mode = "train" if self.model.training else "eval"
         statistics = self._statistics[mode]
         if mode == "train" and self._rollout_started():
-            window = self._rollout.window_metrics()
-            statistics.add("async", [float(window[key]) for key in ASYNC_WINDOW_KEYS])
-            statistics.add("async_staleness_max", float(window["staleness_max"]))
+            record_async_window(statistics, self._rollout.window_metrics())
         self._log_statistics(mode, statistics.reduce(gather))
         super().log(logs, start_time)
 
     def _log_statistics(self, mode: str, totals: dict[str, torch.Tensor]) -> None:
-        """The window's totals over every rank (`_statistics_fields`) -> metrics in `self._metrics[mode]`; a figure
-        with nothing to measure in the window is left out. Subclasses add theirs after `super()`."""
-        metrics = self._metrics[mode]
-        self._log_async_window(dict(zip(ASYNC_WINDOW_KEYS, totals["async"].tolist(), strict=True)),
-                               float(totals["async_staleness_max"]))  # fmt: skip
-        offpolicy = offpolicy_metrics(
-            totals["offpolicy"],
-            *totals["offpolicy_ess"].tolist(),
-            float(totals["offpolicy_ess_min"]),
-            totals["row_ages"],
-            totals["token_ages"],
-        )
-        for key, value in offpolicy.items():
-            metrics[key] = [value]
-        if self.accelerator.is_main_process and "offpolicy/row_age_mean" in offpolicy:
-            counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
+        """The window's totals over every rank -> metrics in `self._metrics[mode]`, and the row-age histogram to the
+        trackers that take one. Subclasses add theirs after `super()`."""
+        for key, value in trainer_metrics(totals, self.accelerator.num_processes).items():
+            self._metrics[mode][key] = [value]
+        counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
+        if self.accelerator.is_main_process and counts:
             log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,
                                       self.state.global_step)  # fmt: skip
-        m2po = totals["m2po"]
-        if m2po[M2PO_SUM_KEYS.index("valid_tokens")] > 0 or m2po[-1] > 0:
-            for key, value in m2po_metrics(m2po).items():
-                metrics[f"m2po/{key}"] = [value]
-        weight_sum, count, zero, changed = totals["importance_weights"].tolist()
-        if count:
-            prefix = "sampling/importance_sampling_ratio"
-            metrics[f"{prefix}/mean"] = [weight_sum / count]
-            metrics[f"{prefix}/min"] = [float(totals["importance_weights_min"])]
-            metrics[f"{prefix}/max"] = [float(totals["importance_weights_max"])]
-            metrics[f"{prefix}/masked_fraction"] = [zero / count]
-            metrics[f"{prefix}/clipped_fraction"] = [changed / count]
-        for name in ("entropy", "kl"):
-            total, tokens = totals[f"token_mean/{name}"].tolist()
-            if tokens:
-                metrics[name] = [total / tokens]
-        self._log_completions(metrics, totals)
-
-    def _log_async_window(self, total: dict[str, float], staleness_max: float) -> None:
-        num_ranks = self.accelerator.num_processes
-        if not total["batches"] and not total["evicted_rows"]:
-            return  # nothing was trained on since the last log (e.g. the summary logged when training ends)
-        metrics = self._metrics["train"]
-        rows, batches = total["rows"], max(total["batches"], 1.0)
-        if total["batches"]:
-            metrics["async/staleness_mean"] = [total["staleness_row_sum"] / max(rows, 1.0)]
-            metrics["async/staleness_max"] = [staleness_max]
-            metrics["async/generate_s"] = [total["generate_s"] / batches]
-            metrics["async/reward_s"] = [total["reward_s"] / batches]
-        metrics["async/evicted"] = [total["evicted_rows"]]
-        metrics["async/evicted_fraction"] = [total["evicted_rows"] / max(total["evicted_rows"] + rows, 1.0)]
-        metrics["async/queue_size"] = [total["queue_size"] / num_ranks]
-        metrics["async/generator_wait_s"] = [total["generator_wait_s"] / num_ranks]
-        metrics["async/trainer_wait_s"] = [total["trainer_wait_s"] / num_ranks]
-        metrics["async/trainer_generated_batches"] = [total["trainer_batches"] / num_ranks]
-        if total["lending_calls"]:  # CPU core lending (rollout/cores.py): share of layer passes on every core
-            metrics["async/trainer_lent_cores_fraction"] = [total["lent_calls"] / total["lending_calls"]]
 
     def _log_completion_lengths(self, prompt_ids: list, completion_ids: list) -> None:
         """The completion metrics of TRL's `_generate`, for rows that did not go through it: this rank's sums go to the
-        window (`_log_completions` turns the totals into TRL's `completions/*`). The tokens seen are counted at once,
-        as TRL counts them (they are saved with checkpoints): one all-reduce per rollout batch, on every rank."""
+        window (`trainers.statistics.completion_sums`). The tokens seen are counted at once, as TRL counts them (they
+        are saved with checkpoints): one all-reduce per rollout batch, on every rank."""
         tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
         tokens = self.accelerator.reduce(torch.tensor([tokens], device=self.accelerator.device), reduction="sum")
         self.state.num_input_tokens_seen += int(tokens.item())
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
-        eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        lengths = [len(c) for c in completion_ids]
-        terminated = [n for n, c in zip(lengths, completion_ids, strict=True) if c and c[-1] in eos_and_pad]
-        inf = float("inf")
-        statistics = self._statistics["train"]
-        statistics.add(
-            "completions",
-            [len(lengths), sum(lengths), len(terminated), sum(terminated)],
+        record_completions(
+            self._statistics["train"], completion_ids, {*self.eos_token_ids, self._tokenizer.pad_token_id}
         )
-        statistics.add("completions_min", [min(lengths, default=inf), min(terminated, default=inf)])
-        statistics.add("completions_max", [max(lengths, default=-inf), max(terminated, default=-inf)])
-
-    def _log_completions(self, metrics: dict, totals: dict[str, torch.Tensor]) -> None:
-        rows, length_sum, terminated, terminated_sum = totals["completions"].tolist()
-        if not rows:
-            return
-        (shortest, shortest_terminated), (longest, longest_terminated) = (
-            totals["completions_min"].tolist(),
-            totals["completions_max"].tolist(),
-        )
-        metrics["completions/mean_length"] = [length_sum / rows]
-        metrics["completions/min_length"] = [shortest]
-        metrics["completions/max_length"] = [longest]
-        metrics["completions/clipped_ratio"] = [(rows - terminated) / rows]
-        # TRL's convention: 0 when no completion of the window terminated.
-        metrics["completions/mean_terminated_length"] = [terminated_sum / terminated if terminated else 0.0]
-        metrics["completions/min_terminated_length"] = [shortest_terminated if terminated else 0.0]
-        metrics["completions/max_terminated_length"] = [longest_terminated if terminated else 0.0]
-
-
-# This rank's sums of the completions of a logging window (`_log_completion_lengths`).
-_COMPLETION_SUMS = ("rows", "length_sum", "terminated_rows", "terminated_length_sum")

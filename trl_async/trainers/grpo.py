@@ -5,10 +5,11 @@ The engine's side (generation process, queue, weights, the hooks that serve roll
 
 * `_prepare_args`: a plain `trl.GRPOConfig` gets the async defaults (`config.ensure_async_fields`);
   `use_vllm=True` runs vLLM in the generation process.
-* `_compute_loss`: adds `loss_type="m2po"` (`algorithms.m2po`); every other loss type is TRL's, with TRL's truncated
-  importance weight π_old/μ folded into the advantages for rows that can be stale (`algorithms.importance`). Within
-  one optimizer step π_old is the loss's own forward, which reaches the fold through the hook slot; a batch used
-  across several steps has TRL's `old_per_token_logps`, and `_after_scoring` folds it at batch time.
+* `_compute_loss`: adds `loss_type="m2po"` (`algorithms.m2po`); every other loss type is TRL's, with the correction
+  against μ (`trainers.correction`: TRL's truncated importance weight π_old/μ for rows that can be stale). Within one
+  optimizer step π_old is the loss's own forward, and the correction is applied between that forward and TRL's
+  reading of the advantages (the hook slot); a batch used across several steps has TRL's `old_per_token_logps`, and
+  `_after_scoring` corrects it at batch time.
 
 Evaluation (`model.eval()`) and `async_generation=False` run TRL's synchronous path.
 """
@@ -20,12 +21,12 @@ import logging
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from ..algorithms.importance import fold_into_advantages, truncated_importance_weights
+from .. import trl_contract
 from ..algorithms.m2po import m2po_loss
-from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
 from ..config import LOSS_TYPES, ensure_async_fields
-from ..unsupported import check_m2po_supported
+from ..config.refusals import check_m2po_supported
 from .batch import rollout_view
+from .correction import apply_to_trl_batch
 from .engine import AsyncRolloutMixin
 
 logger = logging.getLogger(__name__)
@@ -56,81 +57,33 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         return args
 
     def _after_scoring(self, output: dict, rewards_per_func) -> dict:
-        """Rollout rows of a batch used across optimizer steps: TRL computed π_old (`old_per_token_logps`), so TRL's
-        importance correction against μ is applied now (`_treat_behaviour_mismatch`)."""
-        # TRL computes `old_per_token_logps` exactly when a batch spans optimizer steps (a config condition, the same
-        # on every rank: `trl_contract`).
-        if self._async_training() and "old_per_token_logps" in output:
-            self._treat_behaviour_mismatch(output, output["old_per_token_logps"])
+        """A rollout batch used across optimizer steps: TRL computed π_old at batch time (`old_per_token_logps`), so the
+        correction against μ (`trainers.correction`) is applied now, once for every use of the batch."""
+        if self._async_training() and trl_contract.computes_old_logps(self.args):
+            old_logps = output["old_per_token_logps"]
+            output = apply_to_trl_batch(output, self._behaviour_correction(output, old_logps), self.loss_type)
         return output
 
     def _compute_loss(self, model, inputs):
-        """Replaces `GRPOTrainer._compute_loss`: adds `loss_type="m2po"`. Every other loss type is TRL's; for rollout
-        rows whose π_old is TRL's forward in this call, the importance weight is folded into the advantages between
-        that forward and TRL's reading of them (`HookSlot.on_policy_logps`, `trl_contract.CALL_ORDER`)."""
+        """Replaces `GRPOTrainer._compute_loss`: adds `loss_type="m2po"`. Every other loss type is TRL's. A rollout
+        batch used within one optimizer step has π_old = this call's own policy forward, so its correction against μ
+        is applied between that forward and TRL's reading of the advantages (`HookSlot.correct_at_forward`,
+        `trl_contract.CALL_ORDER`), on a copy: TRL's buffer keeps the batch uncorrected."""
         self._record_row_ages(inputs)
         if self.loss_type == "m2po":
             return self._compute_m2po_loss(model, inputs)
-        if not self._async_training() or "old_per_token_logps" in inputs:
+        if not self._async_training() or trl_contract.computes_old_logps(self.args):
             return super()._compute_loss(model, inputs)
-        inputs = dict(inputs)  # the buffered batch stays unweighted
-        with self._hand_off(on_policy_logps=lambda logps: self._treat_behaviour_mismatch(inputs, logps)):
-            return super()._compute_loss(model, inputs)
-
-    # --------------------------------------------------------------------------------------------- importance
-    def _treat_behaviour_mismatch(self, inputs: dict, old_logps: torch.Tensor) -> None:
-        """Rollout rows, once π_old is known: TRL's importance correction where it applies (`_corrects_behaviour`),
-        and the `offpolicy/*` diagnostics of π_old against μ either way (nothing masked or clipped without it)."""
-        if self._corrects_behaviour():
-            self._apply_behaviour_correction(inputs, old_logps)
-        else:
-            mask = self._loss_mask(inputs)
-            behaviour = rollout_view(inputs)["sampling_per_token_logps"]
-            self._record_offpolicy("train", offpolicy_sums(old_logps - behaviour, mask))
-
-    @torch.no_grad()
-    def _apply_behaviour_correction(self, inputs: dict, old_logps: torch.Tensor) -> None:
-        """TRL's truncated importance weight w = π_old/μ (`vllm_importance_sampling_*` semantics), applied as TRL
-        applies it to its vLLM rows. VESPO takes the ratio inside φ (`importance_sampling_ratio`, as TRL feeds it);
-        every other TRL loss multiplies its per-token policy loss by w, which equals scaling the advantages by w
-        (each policy term is positively homogeneous in A, and w ≥ 0; `algorithms.importance` gives the proof)."""
-        mask, args = self._loss_mask(inputs), self.args
-        behaviour = rollout_view(inputs)["sampling_per_token_logps"]
-        weights = self._behaviour_weights(old_logps, behaviour, mask)
-        self._record_offpolicy(
-            "train",
-            importance_weight_sums(
-                old_logps - behaviour,
-                mask,
-                weights,
-                mode=args.vllm_importance_sampling_mode,
-                clip_min=args.vllm_importance_sampling_clip_min,
-                clip_max=args.vllm_importance_sampling_clip_max,
-            ),
-        )
-        if self.loss_type == "vespo":
-            inputs["importance_sampling_ratio"] = weights
-        else:
-            inputs["advantages"] = fold_into_advantages(inputs["advantages"], weights)
-        self._record_importance_weights(weights, mask)
-
-    def _behaviour_weights(self, old_logps, behaviour_logps, mask):
-        args = self.args
-        return truncated_importance_weights(
-            old_logps,
-            behaviour_logps,
-            mask,
-            mode=args.vllm_importance_sampling_mode,
-            clip_min=args.vllm_importance_sampling_clip_min,
-            clip_max=args.vllm_importance_sampling_clip_max,
-        )
+        with self._hand_off(correct_at_forward=dict(inputs)) as slot:
+            return super()._compute_loss(model, slot.correct_at_forward)
 
     # --------------------------------------------------------------------------------------------- M2PO
     def _compute_m2po_loss(self, model, inputs):
         """M2PO (Zheng et al. 2025, arXiv 2510.01161), the math in `algorithms.m2po`.
 
-        δ_t = log π_θ − log μ against the behaviour policy μ: the sampling log-probs of the generator when present,
-        else TRL's `old_per_token_logps`, else π_θ itself (an on-policy batch: δ = 0, nothing masked). The
+        δ_t = log π_θ − log μ against the behaviour policy μ: the sampling log-probs of rollout rows (an asynchronous
+        training step), else TRL's `old_per_token_logps` where TRL computes them, else π_θ itself (an on-policy batch:
+        δ = 0, nothing masked). The
         normalizer is TRL `dapo`'s: valid tokens of the whole accumulated batch, per process.
         """
         mode = "train" if self.model.training else "eval"
@@ -147,7 +100,7 @@ class AsyncGRPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         rollout = self._async_training()
         if rollout:
             behaviour = rollout_view(inputs)["sampling_per_token_logps"]
-        elif inputs.get("old_per_token_logps") is not None:  # TRL's, when a batch spans optimizer steps
+        elif trl_contract.computes_old_logps(self.args):  # TRL's π_old, when a batch spans optimizer steps
             behaviour = inputs["old_per_token_logps"]
         else:
             behaviour = per_token_logps.detach()

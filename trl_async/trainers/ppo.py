@@ -9,7 +9,8 @@ log-probs and batch splitting are shared. What PPO adds (math: docs/ppo.md, `alg
   -kl_coef·KL(π_old ‖ π_ref) plus the score on the last token; the critic's values at batch time give GAE advantages
   and returns. π_old is the policy when the batch enters training, the reference is TRL's (`beta = kl_coef`).
 * `_compute_loss`: PPO-clip (or M2PO) on the per-token advantages, with the truncated importance weight π_old/μ for
-  stale rows (`_corrects_behaviour`), plus `vf_coef` times the clipped value loss.
+  stale rows (computed once per batch by `trainers.correction`, in `_after_scoring`), plus `vf_coef` times the
+  clipped value loss.
 * The critic (`trainers.critic`): the optimizer covers it (`create_optimizer`), checkpoints save and restore it
   (`save_model`, `_load_from_checkpoint`), its gradients are all-reduced once per optimizer step (`training_step`).
 
@@ -30,12 +31,10 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import disable_dropout_in_model
 
-from ..algorithms.importance import truncated_importance_weights
+from .. import trl_contract
 from ..algorithms.m2po import m2po_loss
-from ..algorithms.offpolicy import importance_weight_sums, offpolicy_sums
 from ..algorithms.ppo import PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
 from ..config import PPO_LOSS_TYPES, AsyncPPOConfig, ensure_async_fields
-from . import trl_contract
 from .batch import rollout_view
 from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
 from .engine import AsyncRolloutMixin
@@ -145,7 +144,9 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     def _after_scoring(self, output: dict, rewards_per_func: Tensor) -> dict:
         """Replaces GRPO's group advantages in TRL's batch dict by PPO's, computed from the reward matrix TRL gathered
         (`rewards_per_func`) on the same rows. Adds `advantages` (B, T), `returns`, `old_values` (the critic now),
-        `old_per_token_logps` (π_old: the policy now) and `loss_mask` (valid tokens of scorable rows)."""
+        `old_per_token_logps` (π_old: the policy now), `loss_mask` (valid tokens of scorable rows) and
+        `importance_weights` (the truncated weight π_old/μ PPO-clip multiplies by, (B, T) or (B, 1); 1 where no
+        correction applies)."""
         critic = self.critic_model
         critic.restore_trainable()  # TRL's reference pass disables and re-enables the adapters (PEFT)
         mode = "train" if self.model.training else "eval"
@@ -159,8 +160,9 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         logits_to_keep = completion_ids.size(1)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            old_logps = output.get("old_per_token_logps")
-            if old_logps is None:  # TRL computes it only when the batch spans optimizer steps; PPO's reward needs it
+            if trl_contract.computes_old_logps(self.args):  # TRL computed π_old (the batch spans optimizer steps)
+                old_logps = output["old_per_token_logps"]
+            else:  # PPO's reward and its ratio need it anyway
                 old_logps, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
                 )
@@ -188,9 +190,12 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             loss_mask=mask,
         )
         self._record_rollout_metrics(mode, scores, scorable, targets, old_values, mask)
-        behaviour = self._behaviour_logps(output)
-        if behaviour is not None:
-            self._record_importance_weights(self._importance_weights(old_logps, behaviour, mask), mask)
+        # The correction against μ, once per batch: π_old is fixed for all its uses (`trainers.correction`). M2PO
+        # treats δ against π_θ in the loss instead.
+        weights = None
+        if self._async_training() and self.loss_type != "m2po":
+            weights = self._behaviour_correction(output, old_logps, mask=mask).weights
+        output["importance_weights"] = torch.ones(rows, 1, device=mask.device) if weights is None else weights
         return output
 
     def _sequence_scores(self, rewards_per_func: Tensor, completion_ids: Tensor, completion_mask: Tensor):
@@ -251,23 +256,7 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
     def _statistics_fields(self) -> list[Field]:
         return [*super()._statistics_fields(), Field("ppo_rollout", 9), Field("ppo_loss", 1 + len(_PPO_LOSS_METRICS))]
 
-    def _importance_weights(self, old_logps: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
-        args = self.args
-        return truncated_importance_weights(
-            old_logps,
-            behaviour,
-            mask.float(),
-            mode=args.vllm_importance_sampling_mode,
-            clip_min=args.vllm_importance_sampling_clip_min,
-            clip_max=args.vllm_importance_sampling_clip_max,
-        )
-
     # --------------------------------------------------------------------------------------------- loss
-    def _behaviour_logps(self, inputs: dict) -> Tensor | None:
-        """μ where PPO-clip gets the truncated importance weight π_old/μ (`_corrects_behaviour`: rollout rows,
-        `max_staleness > 0`, `vllm_importance_sampling_correction`). None otherwise: μ is π_old (on-policy)."""
-        return rollout_view(inputs)["sampling_per_token_logps"] if self._corrects_behaviour() else None
-
     def _compute_loss(self, model, inputs):
         """Replaces `GRPOTrainer._compute_loss`: PPO's loss on the per-token advantages,
 
@@ -290,17 +279,13 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         if self.loss_type == "m2po":
             policy_loss, clipfrac, approx_kl = self._m2po_policy_loss(inputs, per_token_logps, mask, normalizer, mode)
         else:
-            self._record_ppo_offpolicy(inputs, mask, mode)
             policy = ppo_policy_loss(
                 per_token_logps,
                 inputs["old_per_token_logps"],
                 inputs["advantages"],
                 mask,
                 args.cliprange,
-                behaviour_logps=self._behaviour_logps(inputs),
-                importance_sampling_mode=args.vllm_importance_sampling_mode,
-                importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
-                importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
+                importance_weights=inputs["importance_weights"],
                 normalizer=normalizer,
             )
             policy_loss, clipfrac, approx_kl = policy.loss, policy.clipfrac, policy.approx_kl
@@ -338,31 +323,6 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
         clipfrac = (((ratio < 1 - args.cliprange) | (ratio > 1 + args.cliprange)) & mask).float().sum() / tokens
         approx_kl = per_token_kl(old_logps, per_token_logps.detach(), mask, "k3").sum() / tokens
         return loss, clipfrac, approx_kl
-
-    def _record_ppo_offpolicy(self, inputs: dict, mask: Tensor, mode: str) -> None:
-        """`offpolicy/*` of π_old against μ for the PPO-clip loss: the truncated weight where `ppo_policy_loss`
-        applies it (`_behaviour_logps`), nothing masked or clipped otherwise."""
-        if not self._async_training():
-            return
-        old_logps = inputs["old_per_token_logps"]
-        delta = old_logps - rollout_view(inputs)["sampling_per_token_logps"]
-        behaviour = self._behaviour_logps(inputs)
-        if behaviour is None:
-            self._record_offpolicy(mode, offpolicy_sums(delta, mask))
-            return
-        args = self.args
-        weights = self._importance_weights(old_logps, behaviour, mask)
-        self._record_offpolicy(
-            mode,
-            importance_weight_sums(
-                delta,
-                mask,
-                weights,
-                mode=args.vllm_importance_sampling_mode,
-                clip_min=args.vllm_importance_sampling_clip_min,
-                clip_max=args.vllm_importance_sampling_clip_max,
-            ),
-        )
 
     def _record_loss_metrics(self, mode: str, mask: Tensor, means: dict[str, Tensor]) -> None:
         """Per micro-batch means over its valid tokens (`_PPO_LOSS_METRICS`, in order), token-weighted over the

@@ -17,10 +17,15 @@ fractions are taken when logged, so that they are token- or row-weighted over th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+from ..algorithms.m2po import M2PO_SUM_KEYS, m2po_metrics
+from ..algorithms.offpolicy import OFFPOLICY_SUM_KEYS, offpolicy_metrics
+from ..rollout.pipeline import ASYNC_WINDOW_KEYS
+from .correction import WEIGHT_SUMS
 
 SUM, MIN, MAX = "sum", "min", "max"
 _EMPTY = {SUM: 0.0, MIN: float("inf"), MAX: float("-inf")}
@@ -101,4 +106,142 @@ class WindowStatistics:
         return out
 
 
-__all__ = ["MAX", "MIN", "SUM", "Field", "StatisticsLayout", "WindowStatistics"]
+# ---------------------------------------------------------------------------------------------- the trainers' figures
+# This rank's sums of the completions of a logging window (`record_completions`).
+COMPLETION_SUMS = ("rows", "length_sum", "terminated_rows", "terminated_length_sum")
+TOKEN_MEANS = ("entropy", "kl")  # per-token figures of M2PO's loss, token-weighted (`token_mean/<name>`)
+
+
+def trainer_fields(max_age: int) -> list[Field]:
+    """What both trainers record: the rollout pipeline's window (`async/*`), the correction against μ (`offpolicy/*`,
+    the importance-weight figures), row and token ages (`max_age` = max_staleness: ages 0..max_age and "older"), M2PO's
+    sums, per-token means and the completions of rows TRL's `_generate` did not see."""
+    return [
+        Field("async", len(ASYNC_WINDOW_KEYS)),
+        Field("async_staleness_max", 1, MAX),
+        Field("offpolicy", len(OFFPOLICY_SUM_KEYS)),
+        Field("offpolicy_ess", 2),  # Σ ESS of the window's batches, the number of batches
+        Field("offpolicy_ess_min", 1, MIN),
+        Field("row_ages", max_age + 2),
+        Field("token_ages", 2),  # Σ age over valid completion tokens, their count
+        Field("m2po", len(M2PO_SUM_KEYS)),
+        Field("importance_weights", len(WEIGHT_SUMS)),
+        Field("importance_weights_min", 1, MIN),
+        Field("importance_weights_max", 1, MAX),
+        *(Field(f"token_mean/{name}", 2) for name in TOKEN_MEANS),
+        Field("completions", len(COMPLETION_SUMS)),
+        Field("completions_min", 2, MIN),  # shortest completion, shortest terminated one
+        Field("completions_max", 2, MAX),
+    ]
+
+
+def record_async_window(statistics: WindowStatistics, window: dict) -> None:
+    """`RolloutPipeline.window_metrics()` of this rank into the window."""
+    statistics.add("async", [float(window[key]) for key in ASYNC_WINDOW_KEYS])
+    statistics.add("async_staleness_max", float(window["staleness_max"]))
+
+
+def record_completions(
+    statistics: WindowStatistics, completion_ids: Sequence[Sequence[int]], eos_and_pad: set
+) -> None:
+    """The lengths of a batch's completions (a completion that ends in EOS or padding terminated; one cut at the length
+    limit did not), as `COMPLETION_SUMS` and extremes."""
+    lengths = [len(c) for c in completion_ids]
+    terminated = [n for n, c in zip(lengths, completion_ids, strict=True) if c and c[-1] in eos_and_pad]
+    inf = float("inf")
+    statistics.add("completions", [len(lengths), sum(lengths), len(terminated), sum(terminated)])
+    statistics.add("completions_min", [min(lengths, default=inf), min(terminated, default=inf)])
+    statistics.add("completions_max", [max(lengths, default=-inf), max(terminated, default=-inf)])
+
+
+def trainer_metrics(totals: dict[str, Tensor], num_ranks: int) -> dict[str, float]:
+    """The logged metrics of a window from its totals over every rank (`WindowStatistics.reduce`): each figure is a
+    ratio of window totals (token-, row- or batch-weighted) or an extreme; a figure with nothing to measure in the
+    window is left out."""
+    out = _async_metrics(dict(zip(ASYNC_WINDOW_KEYS, totals["async"].tolist(), strict=True)),
+                         float(totals["async_staleness_max"]), num_ranks)  # fmt: skip
+    ess_sum, ess_count = totals["offpolicy_ess"].tolist()
+    out.update(
+        offpolicy_metrics(
+            totals["offpolicy"],
+            ess_sum,
+            ess_count,
+            float(totals["offpolicy_ess_min"]),
+            totals["row_ages"],
+            totals["token_ages"],
+        )  # fmt: skip
+    )
+    m2po = totals["m2po"]
+    if m2po[M2PO_SUM_KEYS.index("valid_tokens")] > 0 or m2po[-1] > 0:
+        out.update({f"m2po/{key}": value for key, value in m2po_metrics(m2po).items()})
+    weights = dict(zip(WEIGHT_SUMS, totals["importance_weights"].tolist(), strict=True))
+    if weights["count"]:
+        prefix, count = "sampling/importance_sampling_ratio", weights["count"]
+        out[f"{prefix}/mean"] = weights["weight_sum"] / count
+        out[f"{prefix}/min"] = float(totals["importance_weights_min"])
+        out[f"{prefix}/max"] = float(totals["importance_weights_max"])
+        out[f"{prefix}/masked_fraction"] = weights["zero"] / count
+        out[f"{prefix}/clipped_fraction"] = weights["changed"] / count
+    for name in TOKEN_MEANS:
+        total, tokens = totals[f"token_mean/{name}"].tolist()
+        if tokens:
+            out[name] = total / tokens
+    out.update(_completion_metrics(totals))
+    return out
+
+
+def _async_metrics(total: dict[str, float], staleness_max: float, num_ranks: int) -> dict[str, float]:
+    if not total["batches"] and not total["evicted_rows"]:
+        return {}  # nothing was trained on since the last log (e.g. the summary logged when training ends)
+    out = {}
+    rows, batches = total["rows"], max(total["batches"], 1.0)
+    if total["batches"]:
+        out["async/staleness_mean"] = total["staleness_row_sum"] / max(rows, 1.0)
+        out["async/staleness_max"] = staleness_max
+        out["async/generate_s"] = total["generate_s"] / batches
+        out["async/reward_s"] = total["reward_s"] / batches
+    out["async/evicted"] = total["evicted_rows"]
+    out["async/evicted_fraction"] = total["evicted_rows"] / max(total["evicted_rows"] + rows, 1.0)
+    out["async/queue_size"] = total["queue_size"] / num_ranks
+    out["async/generator_wait_s"] = total["generator_wait_s"] / num_ranks
+    out["async/trainer_wait_s"] = total["trainer_wait_s"] / num_ranks
+    out["async/trainer_generated_batches"] = total["trainer_batches"] / num_ranks
+    if total["lending_calls"]:  # CPU core lending (rollout/cores.py): share of layer passes on every core
+        out["async/trainer_lent_cores_fraction"] = total["lent_calls"] / total["lending_calls"]
+    return out
+
+
+def _completion_metrics(totals: dict[str, Tensor]) -> dict[str, float]:
+    """TRL's `completions/*` (its `_generate`'s), over the window."""
+    rows, length_sum, terminated, terminated_sum = totals["completions"].tolist()
+    if not rows:
+        return {}
+    (shortest, shortest_terminated), (longest, longest_terminated) = (
+        totals["completions_min"].tolist(),
+        totals["completions_max"].tolist(),
+    )
+    return {
+        "completions/mean_length": length_sum / rows,
+        "completions/min_length": shortest,
+        "completions/max_length": longest,
+        "completions/clipped_ratio": (rows - terminated) / rows,
+        # TRL's convention: 0 when no completion of the window terminated.
+        "completions/mean_terminated_length": terminated_sum / terminated if terminated else 0.0,
+        "completions/min_terminated_length": shortest_terminated if terminated else 0.0,
+        "completions/max_terminated_length": longest_terminated if terminated else 0.0,
+    }
+
+
+__all__ = [
+    "COMPLETION_SUMS",
+    "MAX",
+    "MIN",
+    "SUM",
+    "Field",
+    "StatisticsLayout",
+    "WindowStatistics",
+    "record_async_window",
+    "record_completions",
+    "trainer_fields",
+    "trainer_metrics",
+]

@@ -24,10 +24,12 @@ newest complete one (`check_resumable`).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import shutil
+from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -140,3 +142,141 @@ def naming_failed_writes(folder: str, run_dir: str):
             f"folder is not writable, free space or choose another output_dir. {folder} stays marked incomplete and is "
             f"never resumed from; {intact}"
         ) from error
+
+
+# ------------------------------------------------------------------------------------------------------- rollout state
+# The prompt stream's position of every rank, written beside Trainer's files by `AsyncRolloutMixin._save_checkpoint`
+# and read back here only (`read_rollout_state`), by the resume checks and by `_load_optimizer_and_scheduler`.
+ROLLOUT_STATE_FILE = "trl_async_rollout.json"
+# Settings that decide which rows the prompt stream hands out: a checkpoint's stream position means nothing under others.
+RUN_GEOMETRY = ("num_processes", "generation_batch_size", "num_generations", "seed", "shuffle_dataset", "dataset_rows")
+# Model config entries that fix the shapes of the weights: a checkpoint written for other values cannot be loaded.
+WEIGHT_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
+
+
+def write_rollout_state(states: list[dict], checkpoint_dir: str) -> None:
+    """Every rank's `RolloutPipeline.checkpoint_state()` (gathered, in rank order) into the checkpoint."""
+    with open(os.path.join(checkpoint_dir, ROLLOUT_STATE_FILE), "w") as f:
+        json.dump({"ranks": states}, f, indent=2)
+
+
+def rank_rollout_state(checkpoint_dir: str, process_index: int) -> dict | None:
+    """This rank's saved stream state, or None when the checkpoint has none (written by a synchronous run)."""
+    ranks = read_rollout_state(checkpoint_dir)
+    if ranks is None:
+        return None
+    if process_index >= len(ranks):
+        raise ValueError(
+            f"The checkpoint {checkpoint_dir} was written by {len(ranks)} process(es); resuming it with more "
+            "processes would change every rank's prompt stream. Resume with the same number of processes."
+        )
+    return ranks[process_index]
+
+
+def run_geometry(args, num_processes: int, dataset: Any) -> dict:
+    """What decides the prompt stream's rows: saved with the stream's position, compared when resuming."""
+    return {
+        "num_processes": int(num_processes),
+        "generation_batch_size": int(args.generation_batch_size),
+        "num_generations": int(args.num_generations),
+        "seed": int(args.seed),
+        "shuffle_dataset": bool(getattr(args, "shuffle_dataset", True)),
+        "dataset_rows": len(dataset) if hasattr(dataset, "__len__") else None,
+    }
+
+
+def read_rollout_state(checkpoint_dir: str) -> list[dict] | None:
+    """The per-rank states of `trl_async_rollout.json` in `checkpoint_dir` (None when the file is absent), checked:
+    a file that is not what the trainer writes is an error that names it."""
+    path = os.path.join(checkpoint_dir, ROLLOUT_STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    todo = (
+        "Resume from another checkpoint, or delete the file to resume with the prompt stream restarted from its "
+        "first batch."
+    )
+    try:
+        with open(path) as f:
+            content = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error}). {todo}") from error
+    ranks = content.get("ranks") if isinstance(content, dict) else None
+    if (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(isinstance(r, dict) and isinstance(r.get("stream_position"), int) for r in ranks)
+    ):
+        raise ValueError(
+            f"{path} is not a trl_async rollout state (expected {{'ranks': [{{'stream_position': int, ...}}, ...]}}). "
+            f"{todo}"
+        )
+    return ranks
+
+
+def check_resume_checkpoint(checkpoint_dir: str, model: Any, current_geometry: dict | None) -> None:
+    """A checkpoint to resume from was written by a run like this one: its rollout state is readable, its prompt
+    stream was laid out by the same settings, and its weights fit the model."""
+    ranks = read_rollout_state(checkpoint_dir)
+    saved = (ranks[0].get("run") if ranks else None) or None
+    if saved and current_geometry:
+        differences = [
+            f"{key}={saved[key]!r} there, {current_geometry[key]!r} now"
+            for key in RUN_GEOMETRY
+            if key in saved and saved[key] != current_geometry.get(key)
+        ]
+        if differences:
+            raise ValueError(
+                f"{os.path.join(checkpoint_dir, ROLLOUT_STATE_FILE)} was written by a run with other settings "
+                f"({'; '.join(differences)}): its prompt stream position means other rows under these. Resume with "
+                "the settings of that run, or start a new run (a new output_dir, no resume_from_checkpoint)."
+            )
+    config_path = os.path.join(checkpoint_dir, "config.json")
+    config = getattr(model, "config", None)
+    if config is None or not os.path.exists(config_path) or hasattr(model, "peft_config"):
+        return
+    try:
+        with open(config_path) as f:
+            saved_config = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return  # transformers reports an unreadable checkpoint itself
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    saved_text = saved_config.get("text_config", saved_config)
+    differences = [
+        f"{key}={saved_text[key]!r} there, {getattr(text, key)!r} in the model"
+        for key in WEIGHT_SHAPE_KEYS
+        if key in saved_text and hasattr(text, key) and saved_text[key] != getattr(text, key)
+    ]
+    if differences:
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint_dir!r} holds the weights of another model ({'; '.join(differences)}). "
+            "Resume with the model that run trained, or point resume_from_checkpoint at a checkpoint of this model."
+        )
+
+
+def resume_checkpoint_dir(resume_from_checkpoint: Any, output_dir: str) -> str | None:
+    """The folder `Trainer.train(resume_from_checkpoint=...)` resumes from (`True`: the last one in `output_dir`), or
+    None (no resume, or nothing to resume from: transformers reports that itself)."""
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if isinstance(resume_from_checkpoint, str) and os.path.isdir(resume_from_checkpoint):
+        return resume_from_checkpoint
+    return None
+
+
+def check_resume(trainer, resume_from_checkpoint: Any) -> None:
+    """What `AsyncGRPOTrainer.train` checks before resuming (before transformers loads the checkpoint)."""
+    checkpoint = resume_checkpoint_dir(resume_from_checkpoint, trainer.args.output_dir)
+    if checkpoint is None:
+        return
+    geometry = run_geometry(trainer.args, trainer.accelerator.num_processes, trainer.train_dataset)
+    check_resume_checkpoint(checkpoint, trainer.accelerator.unwrap_model(trainer.model), geometry)

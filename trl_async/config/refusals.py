@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .rollout.gather import FSDP1_MESSAGE
+from ..rollout.gather import FSDP1_MESSAGE
 
 ASYNC_OFF = "set async_generation=False (AsyncGRPOConfig) to run TRL's synchronous generation with it"
 

@@ -1,8 +1,9 @@
-"""The trainer-side rollout component, shared by `AsyncGRPOTrainer` and `AsyncPPOTrainer`.
+"""The trainer's end of the rollout pipeline, shared by `AsyncGRPOTrainer` and `AsyncPPOTrainer`.
 
-One `RolloutClient` per rank owns everything asynchronous generation needs on the trainer side: the shared-memory
+One `RolloutPipeline` per rank owns everything asynchronous generation needs on the trainer side: the shared-memory
 weight stores, the staleness-bounded queue, the generation process, weight publishing, the next batch to train on,
-the `async/*` metrics, and the checkpoint state of the prompt stream. The trainers only call:
+the `async/*` figures, and the prompt stream's position for checkpoints (`trainers.checkpoints` writes and reads the
+file). The trainers only call:
 
 * `start(spec, model)` at the first training batch (the generation process boots in the background);
 * `next_batch(last_use_version, model)` for each generation batch (→ `RolloutBatch`);
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import multiprocessing
 import os
@@ -44,8 +44,7 @@ from .weights import SharedWeightStore
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FILE = "trl_async_rollout.json"
-# `RolloutClient.window_metrics`'s keys: this rank's sums over a logging window (`staleness_max` its maximum).
+# `RolloutPipeline.window_metrics`'s keys: this rank's sums over a logging window (`staleness_max` its maximum).
 ASYNC_WINDOW_KEYS = (
     "batches",
     "trainer_batches",
@@ -101,7 +100,7 @@ def publishable_parameters(model: torch.nn.Module) -> tuple[list, list]:
     return [(n, p) for n, p in named if not p.requires_grad], [(n, p) for n, p in named if p.requires_grad]
 
 
-class RolloutClient:
+class RolloutPipeline:
     def __init__(self, settings: RolloutSettings, all_reduce_max: Callable[[int], int] | None = None):
         self.settings = settings
         self.all_reduce_max = all_reduce_max  # None with one process
@@ -356,25 +355,6 @@ class RolloutClient:
             "version": version,
         }
 
-    @staticmethod
-    def save_checkpoint_state(states: list[dict], checkpoint_dir: str) -> None:
-        with open(os.path.join(checkpoint_dir, CHECKPOINT_FILE), "w") as f:
-            json.dump({"ranks": states}, f, indent=2)
-
-    @staticmethod
-    def load_checkpoint_state(checkpoint_dir: str, process_index: int) -> dict | None:
-        path = os.path.join(checkpoint_dir, CHECKPOINT_FILE)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            ranks = json.load(f)["ranks"]
-        if process_index >= len(ranks):
-            raise ValueError(
-                f"The checkpoint {checkpoint_dir} was written by {len(ranks)} process(es); resuming it with more "
-                "processes would change every rank's prompt stream. Resume with the same number of processes."
-            )
-        return ranks[process_index]
-
     # ------------------------------------------------------------------------------------------------ metrics
     @staticmethod
     def _empty_window() -> dict:
@@ -434,10 +414,9 @@ class RolloutClient:
 
 __all__ = [
     "ASYNC_WINDOW_KEYS",
-    "CHECKPOINT_FILE",
     "GeneratorError",
     "RolloutBatch",
-    "RolloutClient",
+    "RolloutPipeline",
     "RolloutSettings",
     "publishable_parameters",
 ]

@@ -2,7 +2,8 @@
 
 TRL ships a minor release every few weeks, and its private methods change between them; TRL itself removed GFPO, PAPO
 and DPPO because their overrides drifted silently. The trainers override a few of TRL's methods (`HOOKS`), read one
-tuple layout (`GENERATE_FIELDS`) and rely on two call orders (`CALL_ORDER`). `tests/test_trl_contract.py` checks each
+tuple layout (`GENERATE_FIELDS`), rely on two call orders (`CALL_ORDER`) and on when TRL computes π_old at batch time
+(`computes_old_logps`). `tests/test_trl_contract.py` checks each
 of these against the installed TRL, so an upgrade that changes one fails that test, naming what changed, instead of
 failing silently in training. `check_hooks()` runs the signature part when a trainer class is first built and warns.
 """
@@ -56,6 +57,15 @@ CALL_ORDER = {
     "_compute_loss": "calls _get_per_token_logps_and_entropies(model, ...) for the policy first, and reads "
     "inputs['advantages'] only after it",
 }
+
+
+def computes_old_logps(args) -> bool:
+    """Whether TRL's `_generate_and_score_completions` computes `old_per_token_logps` (π_old at batch time) for a batch
+    of this config: when the batch is used across optimizer steps, i.e. `gradient_accumulation_steps` is not a multiple
+    of `steps_per_generation * num_iterations` (TRL 1.16; its other case, its own vLLM generation with the importance
+    correction, never runs in an asynchronous step). A config condition, the same on every rank."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0
 
 
 def generate_result(**fields) -> tuple:

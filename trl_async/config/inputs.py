@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ..rollout.prompts import check_prompt_ids, check_prompt_values, context_length
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +41,6 @@ TRL_REWARD_KWARGS = frozenset(
 NOT_REWARD_COLUMNS = frozenset({"prompt", "completion", "completion_ids"})
 # What `Trainer` keeps of a dataset when `remove_unused_columns=True` (`GRPOTrainer._set_signature_columns_if_needed`).
 TRL_SIGNATURE_COLUMNS = ("prompt", "image", "images")
-# Checkpoint file of the prompt stream's position (written by `AsyncGRPOTrainer._save_checkpoint`).
-ROLLOUT_CHECKPOINT_FILE = "trl_async_rollout.json"
-# Settings that decide which rows the prompt stream hands out: a checkpoint's stream position means nothing under others.
-RUN_GEOMETRY = ("num_processes", "generation_batch_size", "num_generations", "seed", "shuffle_dataset", "dataset_rows")
-# Model config entries that fix the shapes of the weights: a checkpoint written for other values cannot be loaded.
-WEIGHT_SHAPE_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-)
 
 
 # ------------------------------------------------------------------------------------------------------- settings
@@ -187,18 +174,6 @@ def check_eos_and_pad(tokenizer: Any) -> None:
         )
 
 
-def context_length(config: Any) -> int | None:
-    """The model's context window in tokens, from its (text) config; None if the config does not say."""
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 # ------------------------------------------------------------------------------------------------------- rewards
 def _reward_name(fn: Any) -> str:
     while isinstance(fn, functools.partial):
@@ -227,7 +202,7 @@ def _missing_arguments(fn: Any, provided: set[str], skip_positional: int = 0) ->
 def check_reward_funcs(reward_funcs: Any, args=None, dataset_columns: Sequence[str] | None = None) -> None:
     """Each entry of `reward_funcs` is a callable, a model or a model id; each function's required arguments and
     required dataset columns are among what TRL passes it (when the dataset's columns are known)."""
-    from .rewards.base import TensorReward, _FunctionTensorReward, is_tensor_reward
+    from ..rewards.base import TensorReward, _FunctionTensorReward, is_tensor_reward
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
     for index, fn in enumerate(funcs):
@@ -282,34 +257,6 @@ def dataset_columns(dataset: Any) -> list[str] | None:
     return list(names) if isinstance(names, (list, tuple)) else None
 
 
-def _prompt_problem(prompt: Any) -> str | None:
-    """Why a prompt value cannot be generated from, or None."""
-    if isinstance(prompt, str):
-        return "is an empty string" if not prompt else None
-    if isinstance(prompt, list):
-        if not prompt:
-            return "is an empty conversation (no messages)"
-        for message in prompt:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                return f"has a message {message!r} that is not a dict with 'role' and 'content'"
-        return None
-    return f"is {prompt!r} ({type(prompt).__name__}), not a string or a list of messages"
-
-
-def check_prompt_values(prompts: Sequence[Any], first_row: int | None = 0) -> None:
-    """Every prompt is a non-empty string or a non-empty conversation (a list of {'role', 'content'} messages).
-    `first_row`: the dataset row of the first prompt, or None when unknown (a batch drawn by the generation process)."""
-    for offset, prompt in enumerate(prompts):
-        problem = _prompt_problem(prompt)
-        if problem is not None:
-            where = f"train_dataset row {first_row + offset}" if first_row is not None else "A row of this batch"
-            raise ValueError(
-                f"{where}: its 'prompt' {problem}. Each prompt must be a non-empty "
-                "string or a list of {'role': ..., 'content': ...} messages; fix or drop the row (e.g. "
-                "`dataset.filter(lambda row: row['prompt'])`)."
-            )
-
-
 def check_train_dataset(dataset: Any, args) -> None:
     """The dataset has a 'prompt' column, enough prompts for one generation batch, and (for up to `UPFRONT_ROWS`
     rows) usable prompt values."""
@@ -344,33 +291,6 @@ def check_train_dataset(dataset: Any, args) -> None:
         check_prompt_values(dataset[: min(rows, UPFRONT_ROWS)]["prompt"])
 
 
-def check_prompt_ids(
-    prompt_ids: Sequence[Sequence[int]],
-    context: int | None,
-    first_row: int | None = None,
-    prompts: Sequence[Any] | None = None,
-) -> None:
-    """No prompt is empty once tokenized, and each leaves room for at least one completion token in the model's
-    context. `first_row`: the dataset row of the first prompt, when known; else `prompts` (the error quotes it)."""
-    for offset, ids in enumerate(prompt_ids):
-        if first_row is not None:
-            where = f"train_dataset row {first_row + offset}"
-        else:
-            quoted = repr(prompts[offset])[:80] if prompts is not None else "?"
-            where = f"A prompt of this batch ({quoted})"
-        if len(ids) == 0:
-            raise ValueError(
-                f"{where}: its prompt tokenizes to no token at all. Fix or drop the row (e.g. "
-                "`dataset.filter(lambda row: row['prompt'])`)."
-            )
-        if context is not None and len(ids) >= context:
-            raise ValueError(
-                f"{where}: its prompt has {len(ids)} tokens, but the model's context is {context} tokens "
-                f"(max_position_embeddings), which leaves no room for a completion. Shorten or drop the prompts of "
-                f"{context} tokens or more (e.g. with `dataset.filter`), or use a model with a longer context."
-            )
-
-
 def check_prompt_lengths(tokenize, dataset: Any, context: int | None, max_completion_length: int | None) -> None:
     """Tokenizes the prompts of a map-style dataset (its first `UPFRONT_ROWS` rows) with the trainer's own
     tokenization (`tokenize(prompts) -> list of id lists`) and checks them with `check_prompt_ids`. Logs a warning
@@ -400,98 +320,6 @@ def check_prompt_lengths(tokenize, dataset: Any, context: int | None, max_comple
 
 
 # ------------------------------------------------------------------------------------------------------- checkpoints
-def run_geometry(args, num_processes: int, dataset: Any) -> dict:
-    """What decides the prompt stream's rows: saved with the stream's position, compared when resuming."""
-    return {
-        "num_processes": int(num_processes),
-        "generation_batch_size": int(args.generation_batch_size),
-        "num_generations": int(args.num_generations),
-        "seed": int(args.seed),
-        "shuffle_dataset": bool(getattr(args, "shuffle_dataset", True)),
-        "dataset_rows": len(dataset) if hasattr(dataset, "__len__") else None,
-    }
-
-
-def read_rollout_checkpoint(checkpoint_dir: str) -> list[dict] | None:
-    """The per-rank states of `trl_async_rollout.json` in `checkpoint_dir` (None when the file is absent), checked:
-    a file that is not what the trainer writes is an error that names it."""
-    path = os.path.join(checkpoint_dir, ROLLOUT_CHECKPOINT_FILE)
-    if not os.path.exists(path):
-        return None
-    todo = (
-        "Resume from another checkpoint, or delete the file to resume with the prompt stream restarted from its "
-        "first batch."
-    )
-    try:
-        with open(path) as f:
-            content = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error}). {todo}") from error
-    ranks = content.get("ranks") if isinstance(content, dict) else None
-    if (
-        not isinstance(ranks, list)
-        or not ranks
-        or not all(isinstance(r, dict) and isinstance(r.get("stream_position"), int) for r in ranks)
-    ):
-        raise ValueError(
-            f"{path} is not a trl_async rollout state (expected {{'ranks': [{{'stream_position': int, ...}}, ...]}}). "
-            f"{todo}"
-        )
-    return ranks
-
-
-def check_resume_checkpoint(checkpoint_dir: str, model: Any, current_geometry: dict | None) -> None:
-    """A checkpoint to resume from was written by a run like this one: its rollout state is readable, its prompt
-    stream was laid out by the same settings, and its weights fit the model."""
-    ranks = read_rollout_checkpoint(checkpoint_dir)
-    saved = (ranks[0].get("run") if ranks else None) or None
-    if saved and current_geometry:
-        differences = [
-            f"{key}={saved[key]!r} there, {current_geometry[key]!r} now"
-            for key in RUN_GEOMETRY
-            if key in saved and saved[key] != current_geometry.get(key)
-        ]
-        if differences:
-            raise ValueError(
-                f"{os.path.join(checkpoint_dir, ROLLOUT_CHECKPOINT_FILE)} was written by a run with other settings "
-                f"({'; '.join(differences)}): its prompt stream position means other rows under these. Resume with "
-                "the settings of that run, or start a new run (a new output_dir, no resume_from_checkpoint)."
-            )
-    config_path = os.path.join(checkpoint_dir, "config.json")
-    config = getattr(model, "config", None)
-    if config is None or not os.path.exists(config_path) or hasattr(model, "peft_config"):
-        return
-    try:
-        with open(config_path) as f:
-            saved_config = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return  # transformers reports an unreadable checkpoint itself
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    saved_text = saved_config.get("text_config", saved_config)
-    differences = [
-        f"{key}={saved_text[key]!r} there, {getattr(text, key)!r} in the model"
-        for key in WEIGHT_SHAPE_KEYS
-        if key in saved_text and hasattr(text, key) and saved_text[key] != getattr(text, key)
-    ]
-    if differences:
-        raise ValueError(
-            f"resume_from_checkpoint={checkpoint_dir!r} holds the weights of another model ({'; '.join(differences)}). "
-            "Resume with the model that run trained, or point resume_from_checkpoint at a checkpoint of this model."
-        )
-
-
-def resume_checkpoint_dir(resume_from_checkpoint: Any, output_dir: str) -> str | None:
-    """The folder `Trainer.train(resume_from_checkpoint=...)` resumes from (`True`: the last one in `output_dir`), or
-    None (no resume, or nothing to resume from: transformers reports that itself)."""
-    if resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if isinstance(resume_from_checkpoint, str) and os.path.isdir(resume_from_checkpoint):
-        return resume_from_checkpoint
-    return None
-
-
 # ------------------------------------------------------------------------------------------------------- entry points
 def check_inputs_before_init(args, model: Any, reward_funcs: Any, train_dataset: Any) -> None:
     """What `AsyncGRPOTrainer.__init__` checks before `GRPOTrainer.__init__` loads anything."""
@@ -518,12 +346,3 @@ def check_inputs_after_init(trainer) -> None:
             context_length(getattr(trainer.model, "config", None)),
             getattr(trainer.args, "max_completion_length", None),
         )
-
-
-def check_resume(trainer, resume_from_checkpoint: Any) -> None:
-    """What `AsyncGRPOTrainer.train` checks before resuming (before transformers loads the checkpoint)."""
-    checkpoint = resume_checkpoint_dir(resume_from_checkpoint, trainer.args.output_dir)
-    if checkpoint is None:
-        return
-    geometry = run_geometry(trainer.args, trainer.accelerator.num_processes, trainer.train_dataset)
-    check_resume_checkpoint(checkpoint, trainer.accelerator.unwrap_model(trainer.model), geometry)
