@@ -222,7 +222,7 @@ MUTATIONS = [
     ),
     Mutation(
         "m2po_paper_without_trust_region",
-        "trl_async/algorithms/m2po.py",
+        "trl_async/algorithms/m2po/selection.py",
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
         "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
@@ -238,7 +238,7 @@ MUTATIONS = [
     ),
     Mutation(
         "m2po_m2_after_over_every_valid_token",
-        "trl_async/algorithms/m2po.py",
+        "trl_async/algorithms/m2po/stats.py",
         "d2_kept / kept if kept else 0.0,",
         "d2_kept / valid if valid else 0.0,",
         (M2PO_TRAINING_VALUES_TEST,),
@@ -254,7 +254,7 @@ MUTATIONS = [
     ),
     Mutation(
         "m2po_global_selection_without_the_other_ranks",
-        "trl_async/algorithms/m2po.py",
+        "trl_async/algorithms/m2po/global_scope.py",
         "world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1",
         "world = 1",
         (M2PO_GLOBAL_TRAINER_TEST,),
@@ -262,7 +262,7 @@ MUTATIONS = [
     ),
     Mutation(
         "m2po_global_keep_read_at_rank0s_offset",
-        "trl_async/algorithms/m2po.py",
+        "trl_async/algorithms/m2po/global_scope.py",
         "offset=sum(counts[:rank]),",
         "offset=0,",
         (M2PO_GLOBAL_TRAINER_TEST,),

@@ -2,9 +2,9 @@
 
     python tests/scripts/m2po_global_worker.py RANK WORLD INIT_FILE OUT_DIR
 
-Loads trl_async/algorithms/m2po.py and the cases by path (the package's __init__ imports TRL, which takes long on a busy
-machine and is not needed here), joins a gloo process group through INIT_FILE, runs ``m2po_select_global`` on its
-part of every case, and saves what it got to OUT_DIR/rank<RANK>.pt.
+Loads the package trl_async/algorithms/m2po/ and the cases by path (trl_async's __init__ imports TRL, which takes long
+on a busy machine and is not needed here), joins a gloo process group through INIT_FILE, runs ``m2po_select_global``
+on its part of every case, and saves what it got to OUT_DIR/rank<RANK>.pt.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
+    """A module (a .py file) or a package (a folder: its relative imports resolve inside it) loaded by path."""
+    if path.is_dir():
+        spec = importlib.util.spec_from_file_location(
+            name, path / "__init__.py", submodule_search_locations=[str(path)]
+        )
+    else:
+        spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -29,7 +35,7 @@ def _load(name: str, path: Path):
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    losses = _load("m2po_losses_under_test", HERE.parents[1] / "trl_async" / "algorithms" / "m2po.py")
+    losses = _load("m2po_losses_under_test", HERE.parents[1] / "trl_async" / "algorithms" / "m2po")
     cases = _load("m2po_global_cases", HERE / "m2po_global_cases.py")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

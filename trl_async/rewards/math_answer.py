@@ -41,6 +41,10 @@ comparison (a window has < 64 prefixes, a row a few hundred spellings: ~3e-10 pe
 Small vocabularies that spell a marker in many tokens (the step table would be too large) locate the last marker
 with per-length sorted encodings and `searchsorted` instead of step 3; steps 4-6 are the same.
 
+The marker search (its tables, built at construction, and `_last_marker`) and the tensors kept per device and batch
+shape (`_DeviceState`, `_Workspace`) live in `_answer_matching.py`; this file builds the gold-answer tables and runs
+the match.
+
 Marker classes: spellings that stop at different places (`\\boxed` before a merged `{-`, `\\boxed{` before a
 digit) or belong to markers followed by different answer spellings get different classes; markers that behave alike
 (`####` and `The answer is`, both followed by `" " + number`) share one. A *closed* spelling (the marker merged with
@@ -60,6 +64,7 @@ from typing import Any
 
 import torch
 
+from ._answer_matching import _build_marker_tables, _DeviceState, _last_marker
 from ._answers import (
     DEFAULT_MARKERS,
     DEFAULT_PREFIXES,
@@ -77,7 +82,6 @@ from ._tokens import (
     encode_with_offsets,
     normalize_eos,
     number_classes,
-    reduce_alphabet,
     tails_after,
 )
 from .base import TensorReward, check_tokenizer_argument, pad_completion_ids, to_device
@@ -87,12 +91,8 @@ __all__ = ["MathAnswerReward"]
 _MAX_WINDOW = 64  # longest answer spelling (in tokens) + 2
 _MAX_CODES = 2**12  # answer-alphabet codes
 _KEY_BITS = 43  # window features < 4 * 2**12, keys < 2**43, at most 62 terms: sums < 2**63
-_POS_BITS = 24  # padded completion length < 2**24
-_OFF = 1 << _POS_BITS  # (shifted by the class bits) added at marker ends: markers outrank every other position
 _GOLD_CHUNK = 512  # new gold answers added per batch of tensor ops (larger batches leave the CPU caches)
-_MAX_STEP_TABLE = 2**21  # entries of the (km + 1)-token step table; larger: the sorted-encodings path
 _SEED = 0x5EED_A115
-_NO_MARKER = -(2**30)
 _KEY_PAD = torch.iinfo(torch.int64).max  # table padding: larger than any key, equal to none
 _PROBE_GOLDS = ("42", "-1234.5", "1000000", "0.25", "-7", "905", "3")
 # More probes for the composition check (`_build_number_heads`): every sign and lead, long numbers, zeros.
@@ -207,55 +207,15 @@ class MathAnswerReward(TensorReward):
         self._kind_class = kind_class
         self._n_classes = len(signatures)
 
-        # Code table (marker tokens 1..U, interchangeable tokens sharing a code; EOS U+1) and the class lookup
-        # over the codes of the last km tokens: a direct table when (U+2)**km is small (byte-level BPE vocabularies
-        # spell the markers in 1-3 tokens), else sorted per-length encodings searched with `searchsorted` (small
-        # vocabularies spell `\\boxed` letter by letter).
+        # The code of every token and the lookup of a marker's class by the codes of its tokens
+        # (`_answer_matching._build_marker_tables`).
         variants = [(toks, kind_class[kind]) for toks, kind in variants if not set(toks) & set(self.eos_token_ids)]
-        code_of = reduce_alphabet(variants)
-        self._eos_code = max(code_of.values()) + 1
-        base = self._eos_code + 1
-        km = max(len(toks) for toks, _ in variants)
-        if base**km >= 2**62:
-            raise ValueError(f"marker spellings too long for exact matching ({base} codes, {km} tokens)")
-        use_table = base ** (km + 1) <= _MAX_STEP_TABLE
-        code_dtype = torch.int32 if use_table else torch.int64
-        code = torch.zeros(self.vocab_size + 2, dtype=code_dtype)  # + the sentinel (0) and the "masked" id (EOS)
-        tokens = sorted(code_of)
-        code[torch.tensor(tokens, dtype=torch.long)] = torch.tensor([code_of[t] for t in tokens], dtype=code_dtype)
-        eos = [e for e in self.eos_token_ids if e < self.vocab_size] + [self.sentinel + 1]
-        code[torch.tensor(eos, dtype=torch.long)] = self._eos_code
-        self._code, self._base, self._km = code, base, km
-        self._class_bits = self._n_classes.bit_length()
+        tables = _build_marker_tables(variants, self._n_classes, self.vocab_size, self.eos_token_ids, self.sentinel)
+        self._code, self._eos_code, self._base, self._km = tables.code, tables.eos_code, tables.base, tables.km
+        self._class_bits = tables.class_bits
         self._marker_variants = variants
-        encoded = [(len(toks), sum(code_of[toks[len(toks) - 1 - j]] * base**j for j in range(len(toks))), cls)
-                   for toks, cls in variants]  # fmt: skip
-        self._class_lut, self._class_by_length, self._step_lut = None, [], None
-        if use_table:
-            lut = torch.zeros(base**km, dtype=torch.long)
-            longest = torch.zeros(base**km, dtype=torch.long)
-            for k, enc, cls in encoded:
-                view, best = lut[enc :: base**k], longest[enc :: base**k]
-                take = best < k  # the longest (most specific) spelling ending here wins
-                view.copy_(torch.where(take, cls, view))
-                best.copy_(torch.where(take, k, best))
-            # "No marker" is a large negative number: `(position << bits) + lut` is then positive exactly at marker
-            # ends, and one `amax` finds the last marker and its class.
-            self._class_lut = torch.where(lut == 0, _NO_MARKER, lut).to(torch.int32)
-            # Step table over the codes of the last km + 1 tokens (see `_last_marker`): the running sum of
-            # `step - BIG * stop + cv(last km tokens) - cv(the km tokens before)` telescopes to the position, the
-            # stop count and the marker value cv (OFF + class at a marker end, else 0) at each position.
-            off = _OFF << self._class_bits
-            cv = torch.where(lut == 0, 0, off + lut)
-            r = torch.arange(base ** (km + 1))
-            stop = (r % base == self._eos_code).long()
-            self._step_lut = (1 << self._class_bits) - 4 * off * stop + cv[r % base**km] - cv[r // base]
-        else:
-            for length in sorted({k for k, _, _ in encoded}):  # ascending: a longer spelling overrides a shorter
-                table = dict(sorted((enc, cls) for k, enc, cls in encoded if k == length))
-                self._class_by_length.append(
-                    (length, torch.tensor(list(table), dtype=torch.long), torch.tensor(list(table.values())))
-                )
+        self._class_lut, self._step_lut = tables.class_lut, tables.step_lut
+        self._class_by_length = tables.class_by_length
 
     def _split_suffixes(self, gold: str) -> list[tuple[str, str]]:
         out = []
@@ -664,7 +624,7 @@ class MathAnswerReward(TensorReward):
 
         # 2. The last marker before the first stop, packed as `OFF + ((p + 1) << bits) + class` (p: its last
         #    token's padded position); `OFF` (class 0) when there is none.
-        best = self._last_marker(st, ws)
+        best = _last_marker(self, st, ws)
 
         # 3. The window after it. Tokens after the first stop need no masking: the stop itself (EOS or "masked")
         #    is in no answer spelling and ends every number.
@@ -679,106 +639,3 @@ class MathAnswerReward(TensorReward):
         table = st.table.index_select(0, (first_row + (best & self._class_mask)).view(-1))  # (B, V)
         found = table.gather(1, torch.searchsorted(table, keys))
         return ((found == keys) & ends).any(1)
-
-    def _last_marker(self, st: _DeviceState, ws: _Workspace) -> torch.Tensor:
-        off = _OFF << self._class_bits
-        if st.step_lut is not None:
-            # Codes of every token, then of the last km + 1 tokens at each position (one base-(U+2) integer, in
-            # place over the flattened buffer: the km sentinels before a row keep the rows apart). They index a
-            # table of steps `step - BIG * (token is a stop) + cv(last km tokens) - cv(the km tokens before)`,
-            # where cv is OFF + class at a marker end and 0 elsewhere: the running sum telescopes to
-            # `(p + 1) * step - BIG * (stops up to p) + cv(p)`, at least OFF exactly at a marker end before the first
-            # stop, below OFF at other positions before it, negative from the first stop on.
-            torch.index_select(st.code, 0, ws.flat, out=ws.code)
-            for out, a, b, alpha in ws.rolling:
-                torch.add(a, b, alpha=alpha, out=out)
-            torch.index_select(st.step_lut, 0, ws.rolled, out=ws.steps)
-            return ws.running.cumsum_(1).amax(1, keepdim=True).clamp_(min=off)
-        # Sorted encodings (long marker spellings): codes zeroed from the first stop on, then per spelling length.
-        km, base, o = self._km, self._base, self._km
-        batch, width = ws.padded.shape
-        code = st.code.index_select(0, ws.flat).view(batch, width)
-        code = code * ((code == self._eos_code).cumsum(1) == 0)
-        rolled = code[:, o:]
-        for j in range(1, km):
-            rolled = torch.add(rolled, code[:, o - j : width - j], alpha=base**j)
-        classes = torch.zeros_like(rolled)
-        for k, encs, cls in st.class_by_length:  # ascending k: a longer spelling overrides a shorter one
-            suffix = rolled % base**k if k < km else rolled  # codes of the last k tokens
-            at = torch.searchsorted(encs, suffix).clamp_(max=encs.numel() - 1)
-            classes = torch.where(encs[at] == suffix, cls[at], classes)
-        packed = torch.where(classes > 0, ws.positions[o:] + classes, 0)
-        return packed.amax(1, keepdim=True).clamp_(min=off)
-
-
-class _Workspace:
-    """Buffers and views of one batch shape on one device, reused from call to call: `score` overwrites them, and
-    nothing outside a call keeps a reference to them (so one reward object must not score from several threads at
-    once)."""
-
-    def __init__(self, reward: MathAnswerReward, st: _DeviceState, batch: int, length: int, window: int):
-        device, o, shift = st.device, reward._km, reward._class_bits
-        width = o + length + window
-        if width >= 1 << _POS_BITS:
-            raise ValueError(f"completions of {length} tokens are too long for MathAnswerReward")
-        self.padded = torch.full((batch, width), reward.sentinel, dtype=torch.long, device=device)
-        self.flat, self.mid = self.padded.view(-1), self.padded[:, o : o + length]
-        # window start = (best >> bits) - OFF
-        self.window_offsets = torch.arange(window, dtype=torch.long, device=device) - _OFF
-        self.keys = st.keys[: window - 2]
-        self.positions = (_OFF << shift) + (torch.arange(1, width + 1, dtype=torch.long, device=device) << shift)
-        if st.step_lut is None:
-            return
-        # Rolling code over km + 1 tokens, by doubling where it can: (out, a, b, alpha) with out = a + alpha * b.
-        # Entries that no step writes stay 0 (they only cover the first row's padding).
-        n, digits, base = batch * width, reward._km + 1, reward._base
-        self.code = torch.zeros(n, dtype=torch.int32, device=device)
-        self.rolling: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-        acc, w = self.code, 1
-        while 2 * w <= digits:
-            out = torch.zeros(n, dtype=torch.int32, device=device)
-            self.rolling.append((out[w:], acc[w:], acc[:-w], base**w))
-            acc, w = out, 2 * w
-        for j in range(w, digits):  # one more digit (acc covers the j tokens ending at each position)
-            out = torch.zeros(n, dtype=torch.int32, device=device)
-            self.rolling.append((out[j:], acc[j:], self.code[:-j], base**j))
-            acc = out
-        self.rolled = acc
-        self.steps = torch.empty(n, dtype=torch.long, device=device)
-        self.running = self.steps.view(batch, width)
-
-
-class _DeviceState:
-    """Tensors of one `MathAnswerReward` on one device, and per-shape workspaces."""
-
-    def __init__(self, reward: MathAnswerReward, device: torch.device):
-        self.device = device
-        self.code = to_device(reward._code, device)
-        self.step_lut = None if reward._step_lut is None else to_device(reward._step_lut, device)
-        self.class_by_length = [(k, to_device(e, device), to_device(c, device)) for k, e, c in reward._class_by_length]
-        self.keys = to_device(reward._keys, device)
-        self.masked_id = torch.tensor(reward.sentinel + 1, dtype=torch.long, device=device)
-        self.version, self.rows = -1, 0
-        self._workspaces: dict[tuple[int, int, int], _Workspace] = {}
-        self.sync(reward)
-
-    def sync(self, reward: MathAnswerReward) -> None:
-        # On the host's own device these are the reward's tensors themselves (appended rows show up directly).
-        self.feat = to_device(reward._feat, self.device)
-        self.table = to_device(reward._table, self.device)
-        self.version, self.rows = reward._version, reward._n_rows
-
-    def sync_rows(self, reward: MathAnswerReward) -> None:
-        lo, hi = self.rows * reward._stride, reward._n_rows * reward._stride
-        if self.table is not reward._table:
-            self.table[lo:hi] = to_device(reward._table[lo:hi], self.device)
-        self.rows = reward._n_rows
-
-    def workspace(self, reward: MathAnswerReward, batch: int, length: int, window: int) -> _Workspace:
-        key = (batch, length, window)
-        ws = self._workspaces.get(key)
-        if ws is None:
-            if len(self._workspaces) >= 4:  # completion lengths vary from step to step: keep only a few
-                self._workspaces.clear()
-            ws = self._workspaces[key] = _Workspace(reward, self, batch, length, window)
-        return ws

@@ -1,4 +1,4 @@
-"""Model cards for trl_async trainers, and the files the recipe leaves beside them for the card to report.
+"""The model card of a trl_async trainer: what it shows, gathered from the trainer, and who writes it.
 
 Every trl_async trainer writes the same card, whether the push comes from `recipes/qwen_math.py` or from a user's
 own `trainer.push_to_hub()`: `ModelCardMixin` replaces TRL's `create_model_card`, which `Trainer.push_to_hub` and
@@ -15,68 +15,22 @@ built as a `ModelCardData` (never YAML by hand):
 
 Why not TRL's `generate_model_card`: its template hard-codes `library_name: transformers` and has no place for the
 configuration or results, so the card here uses the same machinery (`ModelCard.from_template` on `ModelCardData`)
-with a template of its own, and takes the GRPO citation from TRL's `GRPOTrainer._paper`.
+with a template of its own (`template.py`), and takes the GRPO citation from TRL's `GRPOTrainer._paper`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__all__ = [
-    "TRAINER_KINDS",
-    "EVAL_RESULTS_FILE",
-    "PLOT_FILE",
-    "CardSummary",
-    "ModelCardMixin",
-    "build_model_card",
-    "summarize_trainer",
-    "save_model_card",
-    "reward_summary",
-    "metric_summaries",
-    "read_eval_results",
-    "write_eval_results",
-    "validate_push_args",
-    "looks_like_hub_id",
-]
+from .push import looks_like_hub_id
+from .results import PLOT_FILE, metric_summaries, read_eval_results, reward_summary
+from .template import CARD_TEMPLATE, M2PO_PAPER, PPO_PAPER, TRL_CITATION
 
 TRAINER_KINDS = ("grpo", "ppo")
-EVAL_RESULTS_FILE = "eval.json"  # written by the recipe (`write_eval_results`), read by the card
-PLOT_FILE = "reward_accuracy.png"  # written by the recipe; the card shows it when it is in output_dir
-METRIC_PREFIXES = ("async/", "m2po/")
-
-M2PO_PAPER = {
-    "title": "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
-    "id": "2510.01161",
-    "citation": """@article{zheng2025prosperity,
-    title        = {{Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?}},
-    author       = {Haizhong Zheng and Jiawei Zhao and Beidi Chen},
-    year         = 2025,
-    eprint       = {arXiv:2510.01161},
-}""",
-}
-PPO_PAPER = {
-    "title": "Proximal Policy Optimization Algorithms",
-    "id": "1707.06347",
-    "citation": """@article{schulman2017proximal,
-    title        = {{Proximal Policy Optimization Algorithms}},
-    author       = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
-    year         = 2017,
-    eprint       = {arXiv:1707.06347},
-}""",
-}
-TRL_CITATION = """@software{vonwerra2020trl,
-  title   = {{TRL: Transformers Reinforcement Learning}},
-  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
-  license = {Apache-2.0},
-  url     = {https://github.com/huggingface/trl},
-  year    = {2020}
-}"""
 
 # Configuration fields shown on the card, in order; a field the trainer's args lack is skipped, so the PPO config
 # (vf_coef, gamma, lam, ...) and future fields need no change here.
@@ -92,158 +46,7 @@ KIND_CONFIG_FIELDS = {
 }
 M2PO_ONLY_FIELDS = ("m2po_threshold", "m2po_rule", "m2po_scope")
 
-CARD_TEMPLATE = """---
-{{ card_data }}
----
 
-# Model card for {{ model_name }}
-
-{% if is_adapter %}This is a LoRA adapter{% else %}This model is a fine-tuned version{% endif %} of {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local model (`{{ base_model_path }}`){% endif %}{% if dataset_name %}, trained on [{{ dataset_name }}](https://huggingface.co/datasets/{{ dataset_name }}){% endif %} with reinforcement learning: {{ method }}, using [trl_async](https://github.com/trl-async/trl_async) on top of [TRL](https://github.com/huggingface/trl).
-
-## Quick start
-
-```python
-{% if is_adapter %}from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-base = AutoModelForCausalLM.from_pretrained("{{ base_model or 'path/to/the/base/model' }}")
-model = PeftModel.from_pretrained(base, "{{ load_id }}")
-tokenizer = AutoTokenizer.from_pretrained("{{ load_id }}")
-{% else %}from transformers import pipeline
-
-generator = pipeline("text-generation", model="{{ load_id }}")
-{% endif %}```
-{% if eval %}
-## Results
-
-Greedy decoding (at most {{ eval.max_new_tokens }} new tokens) on {{ eval.num_samples }} held-out problems of `{{ eval.dataset }}`{% if eval.split %} (split `{{ eval.split }}`){% endif %}, scored by exact match of the final answer:
-
-| model | accuracy | correct | 95% interval |
-|---|---|---|---|
-| before training | {{ fmt(eval.before.accuracy) }} | {{ eval.before.correct }} / {{ eval.before.total }} | {{ interval(eval.before.ci95) }} |
-| after training | **{{ fmt(eval.after.accuracy) }}** | {{ eval.after.correct }} / {{ eval.after.total }} | {{ interval(eval.after.ci95) }} |
-{% endif %}{% if plot %}
-![Reward per step and accuracy before/after training]({{ plot }})
-{% endif %}
-## Training procedure
-
-{% if trackio_url %}[<img src="https://raw.githubusercontent.com/gradio-app/trackio/refs/heads/main/trackio/assets/badge.png" alt="Visualize in Trackio" title="Visualize in Trackio" width="150" height="24"/>]({{ trackio_url }})
-{% endif %}{% if wandb_url %}[<img src="https://raw.githubusercontent.com/wandb/assets/main/wandb-github-badge-28.svg" alt="Visualize in Weights & Biases" width="150" height="24"/>]({{ wandb_url }})
-{% endif %}Trained with `{{ trainer_class }}`{% if async_generation %}: generation runs in a background process while the trainer trains, and no rollout older than `max_staleness` = {{ max_staleness }} (optimizer steps) enters a loss{% endif %}. Loss: {{ loss_description }}.
-
-### Configuration
-
-| setting | value |
-|---|---|
-| reward functions | {{ rewards }} |
-{% for key, value in config %}| `{{ key }}` | {{ value }} |
-{% endfor %}
-### Final metrics
-
-| metric | value |
-|---|---|
-| optimizer steps | {{ global_step if global_step is not none else steps }} |
-{% if eval %}| accuracy before → after | {{ fmt(eval.before.accuracy) }} → {{ fmt(eval.after.accuracy) }} ({{ signed(eval.gain) }}) |
-{% endif %}{% if reward.gain is not none %}| mean reward, first → last quarter of steps | {{ fmt(reward.first_quarter) }} → {{ fmt(reward.last_quarter) }} ({{ signed(reward.gain) }}) |
-{% endif %}{% if reward.final is not none %}| final reward (last logged step) | {{ fmt(reward.final) }} |
-{% endif %}{% if train_runtime is not none %}| training time | {{ "%.0f" | format(train_runtime) }} s |
-{% endif %}{% if metrics %}
-Asynchronous-engine and loss metrics over the {{ steps }} logged steps:
-
-| metric | mean | max | last |
-|---|---|---|---|
-{% for name, s in metrics %}| `{{ name }}` | {{ fmt(s.mean) }} | {{ fmt(s.max) }} | {{ fmt(s.last) }} |
-{% endfor %}{% endif %}
-### Framework versions
-
-{% for name, v in versions %}- {{ name }}: {{ v }}
-{% endfor %}
-## Citations
-{% for paper in papers %}
-Cite {{ paper.name }} as:
-
-```bibtex
-{{ paper.citation }}
-```
-{% endfor %}
-Cite TRL as:
-
-```bibtex
-{{ trl_citation }}
-```
-"""
-
-
-# ---------------------------------------------------------------------------------------------------- run records
-def reward_summary(log_history: Sequence[Mapping]) -> dict:
-    """Mean logged `reward` of the first and last quarter of logged training steps, and the last one logged."""
-    # TRL logs `reward: None` for steps where every reward function returned None.
-    rewards = [entry["reward"] for entry in log_history if entry.get("reward") is not None]
-    summary = {"steps": len(rewards), "first_quarter": None, "last_quarter": None, "gain": None}
-    summary["final"] = rewards[-1] if rewards else None
-    if len(rewards) >= 4:
-        quarter = len(rewards) // 4
-        first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
-        summary.update(first_quarter=first, last_quarter=last, gain=last - first)
-    return summary
-
-
-def metric_summaries(log_history: Sequence[Mapping], prefixes: Sequence[str] = METRIC_PREFIXES) -> dict[str, dict]:
-    """Mean, max and last logged value of every metric whose name starts with one of `prefixes`, by name."""
-    values: dict[str, list[float]] = {}
-    for entry in log_history:
-        for key, value in entry.items():
-            if key.startswith(tuple(prefixes)) and isinstance(value, (int, float)) and math.isfinite(value):
-                values.setdefault(key, []).append(float(value))
-    return {
-        key: {"mean": sum(v) / len(v), "max": max(v), "last": v[-1], "count": len(v)}
-        for key, v in sorted(values.items())
-    }
-
-
-def write_eval_results(output_dir: str, results: Mapping) -> str:
-    """Write the recipe's evaluation (schema: see `read_eval_results`) to `output_dir/eval.json`; returns the path."""
-    for key in ("dataset", "num_samples", "before", "after"):
-        if key not in results:
-            raise ValueError(f"eval results lack the {key!r} entry")
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, EVAL_RESULTS_FILE)
-    with open(path, "w") as f:
-        json.dump(dict(results), f, indent=2)
-    return path
-
-
-def read_eval_results(output_dir: str) -> dict | None:
-    """`output_dir/eval.json` if present, else None.
-
-    Schema: `dataset` (name or path), `split`, `num_samples`, `max_new_tokens`, `train_dataset` (optional:
-    `{"name", "hub_id"}`; the card lists `hub_id` as the training dataset), and
-    `before` / `after`, each `{"accuracy", "correct", "total", "ci95": [low, high]}`, and `gain` (after - before).
-    """
-    path = os.path.join(output_dir, EVAL_RESULTS_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def looks_like_hub_id(name: str | None) -> bool:
-    """`name` or `org/name`, not an existing local path: what TRL's card treats as a Hub id."""
-    if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
-        return False
-    return name.count("/") <= 1 and " " not in name
-
-
-def validate_push_args(args) -> None:
-    """`push_to_hub=True` needs `hub_model_id` (transformers would otherwise invent one from output_dir)."""
-    if getattr(args, "push_to_hub", False) and not getattr(args, "hub_model_id", None):
-        raise ValueError(
-            "push_to_hub=True needs hub_model_id: the Hub repository to push to, e.g. "
-            "--hub_model_id your-name/qwen2.5-0.5b-gsm8k-lora."
-        )
-
-
-# ---------------------------------------------------------------------------------------------------- the card
 @dataclass
 class CardSummary:
     """Everything the card shows, gathered from a trainer (`summarize_trainer`) or built directly (tests)."""
@@ -298,7 +101,7 @@ def _versions(is_adapter: bool) -> list[tuple[str, str]]:
             out.append((label, version(dist)))
         except PackageNotFoundError:
             if dist == "trl-async":
-                from . import __version__
+                from .. import __version__
 
                 out.append((label, __version__))
     return out
