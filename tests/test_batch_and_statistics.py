@@ -66,13 +66,19 @@ def test_statistics_combine_over_the_window_and_the_ranks_by_each_fields_reducti
     rank0.add("low", 0.25)
     rank0.add("high", 3.0)
     rank1.add("sums", [4.0, 40.0])  # rank 1 recorded no extreme at all: it still joins with the same shape
-    totals = rank0.reduce(_two_rank_gather(rank1))
+    rank0.reduce(_two_rank_gather(rank1))
+    totals = rank0.take()
     assert totals["sums"].tolist() == [7.0, 70.0]
     assert totals["low"].tolist() == [0.25] and totals["high"].tolist() == [3.0]
-    # The window starts afresh: an empty window reduces to the neutral values.
-    empty = rank0.reduce(_two_rank_gather(WindowStatistics(layout, "cpu")))
-    assert empty["sums"].tolist() == [0.0, 0.0]
-    assert empty["low"].tolist() == [math.inf] and empty["high"].tolist() == [-math.inf]
+    assert rank0.take() is None  # taken once
+    # The window starts afresh after a reduction; totals not taken yet are combined with the next ones.
+    rank0.add("sums", [1.0, 1.0])
+    rank0.reduce(_two_rank_gather(WindowStatistics(layout, "cpu")))
+    rank0.add("low", 0.125)
+    rank0.reduce(_two_rank_gather(WindowStatistics(layout, "cpu")))
+    totals = rank0.take()
+    assert totals["sums"].tolist() == [1.0, 1.0] and totals["low"].tolist() == [0.125]
+    assert totals["high"].tolist() == [-math.inf]  # nothing recorded: the neutral value
 
 
 def test_statistics_refuse_a_value_of_the_wrong_size_and_a_field_declared_twice():

@@ -88,6 +88,14 @@ def test_the_collective_check_names_both_ranks_calls_on_a_mismatch(tmp_path):
     assert "after: barrier" in output  # each rank's previous call, for orientation
 
 
+def test_a_log_on_the_main_process_alone_runs_no_collective(tmp_path):
+    """Users log on the main process only (the recipe logs its evaluation so): the trainers' `log` must not run a
+    collective there, or the other ranks, already in their next collective, would be paired with it."""
+    ranks = _launch("log_on_main_only", 4, tmp_path)
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    assert ranks[0]["collectives_checked"] == ranks[1]["collectives_checked"] > 0
+
+
 # ----------------------------------------------------------------------------------------------- diverging ranks
 def _launch(case: str, max_steps: int, out) -> list[dict]:
     command = [

@@ -194,7 +194,8 @@ def test_on_policy_batch_and_loss_equal_ppo_math_on_independent_tensors(tmp_path
                           ("returns", returns)]:  # fmt: skip
         torch.testing.assert_close(batch[key][mask], expected[mask], atol=1e-4, rtol=1e-4, msg=key)
 
-    trainer.log({})  # the logging window's figures, as Trainer logs them
+    trainer._reduce_statistics("train")  # what the end of a logging step does (on every rank)
+    trainer.log({})
     metrics = trainer.state.log_history[-1]
     assert metrics["ppo/explained_variance"] == pytest.approx(
         explained_variance(values, returns, mask).item(), abs=1e-4

@@ -46,6 +46,14 @@ HOOKS = {
     "_compute_loss": ("self", "model", "inputs"),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
     "log": ("self", "logs", "start_time"),
+    "evaluation_loop": (
+        "self",
+        "dataloader",
+        "description",
+        "prediction_loss_only",
+        "ignore_keys",
+        "metric_key_prefix",
+    ),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
 }

@@ -71,6 +71,9 @@ CASES = {
     "two_iterations": ({"num_iterations": 2, "steps_per_generation": 2}, (8.0, 0.0), (0.0, 0.0)),
     # Two machines on one host (the test launches two single-process "machines"): both generators start alike.
     "two_machines": ({}, (0.0, 0.0), (0.0, 0.0)),
+    # A script that logs on the main process only after training (as the recipe logs its evaluation): `log` must not
+    # run a collective that the other ranks never reach.
+    "log_on_main_only": ({"logging_steps": 2}, (0.0, 0.0), (0.0, 0.0)),
 }
 
 
@@ -118,7 +121,7 @@ def main():
         num_generations=4,
         max_completion_length=12,
         learning_rate=1e-3,
-        logging_steps=5,
+        logging_steps=settings.pop("logging_steps", 5),
         report_to="none",
         save_strategy="no",
         bf16=False,
@@ -139,6 +142,10 @@ def main():
     )
     trainer.record = {"batches": [], "agreements": [], "generator_pid": None, "spool_dir": None}
     trainer.train()
+    if case == "log_on_main_only":
+        if trainer.accelerator.is_main_process:
+            trainer.log({"after_training": 1.0})
+        trainer.accelerator.wait_for_everyone()
     record = {
         **trainer.record,
         "process_index": trainer.accelerator.process_index,

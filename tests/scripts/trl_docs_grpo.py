@@ -31,5 +31,6 @@ training_args = GRPOConfig(
 trainer = GRPOTrainer(model=model_path, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
 trainer.train()
 
-with open(os.path.join(output_dir, "result.json"), "w") as f:
-    json.dump({"trainer": type(trainer).__name__, "log_history": trainer.state.log_history}, f)
+if trainer.accelerator.is_main_process:  # one writer under `accelerate launch`
+    with open(os.path.join(output_dir, "result.json"), "w") as f:
+        json.dump({"trainer": type(trainer).__name__, "log_history": trainer.state.log_history}, f)

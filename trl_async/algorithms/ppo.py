@@ -440,6 +440,10 @@ def _normalised_sum(per_token: Tensor, valid: Tensor, normalizer: Tensor | float
     return total / normalizer
 
 
+# The knobs `ppo_targets` takes from a PPO config, under the config's names (`AsyncPPOConfig`).
+PPO_TARGET_KNOBS = ("kl_coef", "kl_estimator", "gamma", "lam", "whiten_rewards", "whiten_advantages")
+
+
 class PPOTargets(NamedTuple):
     advantages: Tensor  # (B, T) GAE advantages, whitened over the valid tokens if asked; 0 on padding
     returns: Tensor  # (B, T) value targets R_t = A_t + V_t (before whitening A); 0 on padding

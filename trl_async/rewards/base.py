@@ -105,6 +105,15 @@ class TensorReward:
     """
 
     __tensor_reward__ = True
+    # Per-device copies of the reward's tables, rebuilt where the reward is used: a reward sent to the generation
+    # process by value (pickled) travels without them.
+    _device_caches: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in self._device_caches:
+            state[name] = {}
+        return state
 
     def __init__(self, *, name: str | None = None):
         if name is not None:

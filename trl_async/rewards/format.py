@@ -31,6 +31,8 @@ class FormatReward(TensorReward):
     which finds an in-order placement whenever one exists. One vectorized pass per item; no loop over rows.
     """
 
+    _device_caches = ("_eos_cache",)
+
     def __init__(
         self,
         tokenizer: Any = None,
@@ -71,11 +73,6 @@ class FormatReward(TensorReward):
         if item and all(isinstance(x, (list, tuple, torch.Tensor)) for x in item):
             return [as_int_tuple(x, f"{what} (alternative {j})") for j, x in enumerate(item)]
         return [as_int_tuple(item, what)]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_eos_cache"] = {}
-        return state
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         device = completion_ids.device

@@ -125,6 +125,8 @@ class MathAnswerReward(TensorReward):
     `1,000` == `1000`, `$42` == `**42**` == `42`, `12.0` == `12`, negatives with the sign before or after a prefix.
     """
 
+    _device_caches = ("_device_cache",)
+
     def __init__(
         self,
         tokenizer: Any,
@@ -567,8 +569,7 @@ class MathAnswerReward(TensorReward):
         return st
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_device_cache"] = {}
+        state = super().__getstate__()
         del state["_lock"]
         return state
 

@@ -48,6 +48,8 @@ class TokenPatternReward(TensorReward):
     Raises `ValueError` for an empty pattern (at construction for `pattern`, at scoring time for a column value).
     """
 
+    _device_caches = ("_device_cache",)
+
     def __init__(
         self,
         pattern: Sequence[int] | None = None,
@@ -92,11 +94,6 @@ class TokenPatternReward(TensorReward):
     @property
     def required_columns(self) -> tuple[str, ...]:
         return () if self.pattern_column is None else (self.pattern_column,)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_device_cache"] = {}
-        return state
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         device = completion_ids.device

@@ -40,7 +40,7 @@ import torch.multiprocessing as torch_mp
 from .backends import GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
 from .payload import RolloutPayload
-from .prompts import PromptStream, check_prompt_ids, check_prompt_values, context_length
+from .prompts import STREAM_SETTINGS, PromptStream, check_prompt_ids, check_prompt_values, context_length
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
@@ -104,16 +104,7 @@ class RolloutProducer:
         self.generate = generate  # (prompt_ids, seed) -> GenerationOutput
         self.tokenizer = spec.processing_class
         self.trainer_state = trainer_state  # () -> TrainerState snapshot or None
-        self.stream = PromptStream(
-            spec.dataset,
-            num_generations=spec.num_generations,
-            generation_batch_size=spec.generation_batch_size,
-            shuffle=spec.shuffle,
-            seed=spec.seed,
-            process_index=spec.process_index,
-            num_processes=spec.num_processes,
-            columns=spec.columns,
-        )
+        self.stream = PromptStream(spec.dataset, **{name: getattr(spec, name) for name in STREAM_SETTINGS})
 
     def _tokenize(self, prompts: list) -> list[list[int]]:
         # TRL's `GRPOTrainer._tokenize_prompts`, text-only path (no tools: tools are refused with async generation).

@@ -33,6 +33,11 @@ def is_iterable_dataset(dataset: Any) -> bool:
     return isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__")
 
 
+# What `PromptStream` takes besides the dataset, by name (`GeneratorSpec` carries each under the same name).
+STREAM_SETTINGS = ("num_generations", "generation_batch_size", "shuffle", "seed", "process_index", "num_processes",
+                   "columns")  # fmt: skip
+
+
 class PromptStream:
     """Generation batch `index` → that rank's rows (a list of dicts, each with `prompt` and the other columns).
 

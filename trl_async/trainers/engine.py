@@ -119,6 +119,20 @@ class _PublishWeights(TrainerCallback):
                 trainer._metrics["train"]["async/weight_sync_s"].append(seconds)
 
 
+class _ReduceStatistics(TrainerCallback):
+    """Reduces the trainers' figures over the ranks at the end of every optimizer step at which Trainer logs (or stops
+    training): a point every rank passes, unlike `log`, which users may call on one rank (`trainers.statistics`).
+    Added after transformers' `DefaultFlowCallback`, which decides `should_log` in its own `on_step_end`."""
+
+    def __init__(self, trainer: AsyncRolloutMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None and (control.should_log or control.should_training_stop):
+            trainer._reduce_statistics("train")
+
+
 class _RolloutTicks(torch.utils.data.Dataset):
     """What the training dataloader iterates in async mode: one placeholder per dataset row, so that TRL's sampler,
     lengths, epochs and resume skipping work unchanged while the rows themselves come from the rollout component."""
@@ -179,6 +193,7 @@ class AsyncRolloutMixin(ModelCardMixin):
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
         layout = StatisticsLayout(self._statistics_fields())
         self._statistics = {mode: WindowStatistics(layout, self.accelerator.device) for mode in ("train", "eval")}
+        self.add_callback(_ReduceStatistics(self))
         self._rollout = RolloutPipeline(
             self._rollout_settings(),
             all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
@@ -602,16 +617,30 @@ class AsyncRolloutMixin(ModelCardMixin):
         """The layout of the trainers' figures (`trainers.statistics`), from the config alone; subclasses add theirs."""
         return trainer_fields(max_age=int(async_field(self.args, "max_staleness") or 0))
 
+    def _reduce_statistics(self, mode: str) -> None:
+        """Every rank's figures of the window, combined (one collective: call it on every rank at the same point)."""
+        statistics = self._statistics[mode]
+        if mode == "train" and self._rollout_started():
+            record_async_window(statistics, self._rollout.window_metrics())
+        statistics.reduce(gather)
+
+    def evaluation_loop(self, *args, **kwargs):
+        """`Trainer.evaluation_loop`, then the reduction of the evaluation's figures over the ranks (every rank runs
+        the loop; `evaluate` logs right after it)."""
+        output = super().evaluation_loop(*args, **kwargs)
+        self._reduce_statistics("eval")
+        return output
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """`GRPOTrainer.log`, plus the trainers' own metrics of the logging window (`async/*`, `offpolicy/*`,
         `m2po/*`, `ppo/*`, the importance-weight and completion figures), computed from window totals over every rank
         (TRL averages the values appended during the window; a mean of per-batch fractions or maxima would not mean
-        what the names say). One reduction over the ranks, on every rank at every log (`trainers.statistics`)."""
+        what the names say). No communication: the totals were reduced where every rank passes (`_ReduceStatistics`,
+        `evaluation_loop`), so a `log` on one rank alone is as safe as TRL's."""
         mode = "train" if self.model.training else "eval"
-        statistics = self._statistics[mode]
-        if mode == "train" and self._rollout_started():
-            record_async_window(statistics, self._rollout.window_metrics())
-        self._log_statistics(mode, statistics.reduce(gather))
+        totals = self._statistics[mode].take()
+        if totals is not None:
+            self._log_statistics(mode, totals)
         super().log(logs, start_time)
 
     def _log_statistics(self, mode: str, totals: dict[str, torch.Tensor]) -> None:

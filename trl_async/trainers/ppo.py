@@ -33,7 +33,7 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from .. import trl_contract
 from ..algorithms.m2po import m2po_loss
-from ..algorithms.ppo import PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
+from ..algorithms.ppo import PPO_TARGET_KNOBS, PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
 from ..config import PPO_LOSS_TYPES, AsyncPPOConfig, ensure_async_fields
 from .batch import rollout_view
 from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
@@ -175,12 +175,7 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
             old_logps if ref_logps is None else ref_logps,
             old_values,
             mask,
-            kl_coef=args.kl_coef,
-            kl_estimator=args.kl_estimator,
-            gamma=args.gamma,
-            lam=args.lam,
-            whiten_rewards=args.whiten_rewards,
-            whiten_advantages=args.whiten_advantages,
+            **{knob: getattr(args, knob) for knob in PPO_TARGET_KNOBS},
         )
         output.update(
             advantages=targets.advantages,

@@ -107,19 +107,23 @@ def backend_name(args) -> str:
     return args.generation_backend
 
 
+# The server backend's options (`VLLMServerBackend`), from TRL's `vllm_server_*` fields of the same meaning.
+VLLM_SERVER_OPTIONS = {
+    "base_url": "vllm_server_base_url",
+    "host": "vllm_server_host",
+    "port": "vllm_server_port",
+    "group_port": "vllm_group_port",
+    "connection_timeout": "vllm_server_timeout",
+    "sampling_overrides": "generation_kwargs",
+}
+
+
 def backend_options(args, where: Placement) -> dict:
     """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
     if args.generation_backend != "vllm":
         return {"inflight_weight_updates": True} if args.inflight_weight_updates else {}
     if args.vllm_mode == "server":
-        return dict(
-            base_url=args.vllm_server_base_url,
-            host=args.vllm_server_host,
-            port=args.vllm_server_port,
-            group_port=args.vllm_group_port,
-            connection_timeout=args.vllm_server_timeout,
-            sampling_overrides=args.generation_kwargs,
-        )
+        return {option: getattr(args, field) for option, field in VLLM_SERVER_OPTIONS.items()}
     engine_kwargs = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}
     if args.vllm_enable_sleep_mode:
         engine_kwargs["enable_sleep_mode"] = True

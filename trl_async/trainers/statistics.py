@@ -6,9 +6,14 @@ importance-weight figures) used to be reduced over the ranks where they were com
 of them only for some batches. Two ranks whose batches differed (one made by the trainer at start-up, one from its
 generation process) then ran different collectives and the run crashed (gloo: "Received data size doesn't match
 expected size"). Here each rank adds its figures to a vector whose layout is fixed when the trainer is built, from
-its config alone (`StatisticsLayout`), and `reduce` all-gathers that vector once per log, on every rank, in every
-mode: a rank's data changes what it contributes, never whether or with what shape it joins (docs/architecture.md,
-"Several processes").
+its config alone (`StatisticsLayout`), and `reduce` all-gathers that vector once per logging step, on every rank, in
+every mode: a rank's data changes what it contributes, never whether or with what shape it joins
+(docs/architecture.md, "Several processes").
+
+**Where the reduction runs.** Not in `log`: users call `trainer.log(...)` on the main process only (it has no
+collective in TRL or transformers), and a collective there would hang the other ranks. The trainers reduce at points
+every rank passes: the end of an optimizer step at which Trainer will log (or stop), and the end of an evaluation loop.
+`log` then only takes the totals (`take`), on whichever rank calls it.
 
 Each field says how it combines over the window and over the ranks: `sum` (counts and sums, from which means and
 fractions are taken when logged, so that they are token- or row-weighted over the whole window), `min` or `max`.
@@ -69,7 +74,8 @@ class WindowStatistics:
 
     def __init__(self, layout: StatisticsLayout, device):
         self.layout, self.device = layout, device
-        self.values = layout.empty(device)
+        self.values = layout.empty(device)  # this rank's window
+        self.pending: Tensor | None = None  # every rank's windows, reduced and not yet taken (same layout)
 
     def add(self, name: str, value: Tensor | float | Iterable[float]) -> None:
         """Combine `value` (the field's size) into the window by the field's reduction. No host sync."""
@@ -89,21 +95,32 @@ class WindowStatistics:
         """This rank's value of a field so far in the window (for tests and warnings)."""
         return self.values[self.layout.slices[name]].cpu()
 
-    def reduce(self, gather: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-        """Every rank's window combined (one `gather` of a (1, size) float64 tensor, to call on every rank at every
-        log), as CPU tensors by field name; the window starts afresh."""
-        ranks = gather(self.values.unsqueeze(0)).reshape(-1, self.layout.size).cpu()
+    def reduce(self, gather: Callable[[Tensor], Tensor]) -> None:
+        """Combine every rank's window (one `gather` of a (1, size) float64 tensor) into the totals `take` returns, and
+        start the window afresh. To call on every rank at the same point (a collective); totals not taken yet are
+        combined with the new ones."""
+        ranks = gather(self.values.unsqueeze(0)).reshape(-1, self.layout.size).to(self.device)
         self.values = self.layout.empty(self.device)
-        out = {}
+        previous = self.layout.empty(self.device) if self.pending is None else self.pending
+        combined = torch.empty_like(previous)
         for name, field in self.layout.fields.items():
-            part = ranks[:, self.layout.slices[name]]
+            where = self.layout.slices[name]
+            part = torch.cat([ranks[:, where], previous[where].unsqueeze(0)])
             if field.reduction == SUM:
-                out[name] = part.sum(dim=0)
+                combined[where] = part.sum(dim=0)
             elif field.reduction == MIN:
-                out[name] = part.min(dim=0).values
+                combined[where] = part.min(dim=0).values
             else:
-                out[name] = part.max(dim=0).values
-        return out
+                combined[where] = part.max(dim=0).values
+        self.pending = combined
+
+    def take(self) -> dict[str, Tensor] | None:
+        """The totals over every rank of the windows reduced since the last `take`, as CPU tensors by field name, or
+        None when nothing was reduced. No communication: a rank may call it alone (a `log` on the main process)."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending.cpu(), None
+        return {name: pending[self.layout.slices[name]] for name in self.layout.fields}
 
 
 # ---------------------------------------------------------------------------------------------- the trainers' figures
