@@ -35,8 +35,8 @@ from transformers import TrainerCallback  # noqa: E402
 
 from tests.support.trainer_utils import load_model, load_tokenizer, make_args  # noqa: E402
 from trl_async import AsyncGRPOTrainer  # noqa: E402
-from trl_async.rollout.pipeline import RolloutPipeline  # noqa: E402
 from trl_async.toy import make_arithmetic_dataset  # noqa: E402
+from trl_async.trainers import checkpoints  # noqa: E402
 
 
 def parse_args():
@@ -226,13 +226,13 @@ def main(options, records: Records, rank: int):
     )
     trainer.fault, trainer.records = fault, records
     trainer.add_callback(Injector(trainer))
-    original = RolloutPipeline.save_checkpoint_state
+    original = checkpoints.write_rollout_state
 
-    def save_checkpoint_state(states, checkpoint_dir):
+    def write_rollout_state(states, checkpoint_dir):
         fault.during_save("rollout_state", trainer.saves, trainer._rollout.queue)
         original(states, checkpoint_dir)
 
-    RolloutPipeline.save_checkpoint_state = staticmethod(save_checkpoint_state)
+    checkpoints.write_rollout_state = write_rollout_state
     trainer.train(resume_from_checkpoint=True if options.phase == "resume" else None)
 
 
