@@ -33,7 +33,7 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
         tiny_model,
         tiny_prompts,
     )
-    from trl_async.rollout.backends import HFBackend
+    from trl_async.rollout.backends import BackendContext, HFBackend
     from trl_async.rollout.backends.vllm import VLLMBackend
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,12 +53,12 @@ if __name__ == "__main__":  # vLLM may start processes: keep the work behind the
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     config = generation_config(args.max_new_tokens)
-    common = (model_spec(model), frozen_store, trainable_store, config, 1.0, [EOS], PAD)
+    context = BackendContext(model_spec(model), frozen_store, trainable_store, config, 1.0, [EOS], PAD)
     t0 = time.perf_counter()
-    hf = HFBackend(*common)
+    hf = HFBackend(context)
     hf.load()
     t1 = time.perf_counter()
-    vllm_backend = VLLMBackend(*common)
+    vllm_backend = VLLMBackend(context)
     vllm_backend.load()
     t2 = time.perf_counter()
     torch.set_num_threads(args.threads)

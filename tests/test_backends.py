@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from trl_async.rollout.backends import (
+    BackendContext,
     HFBackend,
     ModelSpec,
     generate_with_behaviour_logprobs,
@@ -369,7 +370,7 @@ def _generation_process(backends_args, results, prompt_ids, seed):
     """As `_generator_main` does: build each backend from the shared-memory stores, load, generate; then wait for the
     next published version, `update_weights`, generate again."""
     torch.set_num_threads(1)
-    backends = [HFBackend(**kwargs) for kwargs in backends_args]
+    backends = [HFBackend(BackendContext(**kwargs)) for kwargs in backends_args]
     for backend in backends:
         version = backend.load()
         out = backend.generate(prompt_ids, seed=seed)

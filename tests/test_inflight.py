@@ -16,7 +16,7 @@ from transformers import DynamicCache, GenerationConfig, TrainerCallback
 
 from tests.support.trainer_utils import length_reward, load_model, make_args
 from trl_async import AsyncGRPOTrainer
-from trl_async.rollout.backends import HFBackend, ModelSpec
+from trl_async.rollout.backends import BackendContext, HFBackend, ModelSpec
 from trl_async.rollout.weights import SharedWeightStore, named_trainable_parameters
 
 
@@ -73,9 +73,9 @@ def test_a_forced_mid_sequence_update_changes_the_distribution_exactly_at_the_re
 
     config = GenerationConfig(do_sample=True, max_new_tokens=14, min_new_tokens=14, temperature=1.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    backend = HFBackend(ModelSpec(config=v0.config, dtype=torch.float32), None, store, config, 1.0,
-                        [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", heartbeat=heartbeat,
-                        inflight_weight_updates=True)  # fmt: skip
+    context = BackendContext(ModelSpec(config=v0.config, dtype=torch.float32), None, store, config, 1.0,
+                             [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", heartbeat=heartbeat)  # fmt: skip
+    backend = HFBackend(context, inflight_weight_updates=True)
     assert backend.load() == 0
     prompts = [chat_prompt(tokenizer, f"What is {a}+{b}?") for a, b in ((12, 34), (56, 71))]
     assert len(prompts[0]) == len(prompts[1])  # no padding: the recomputation runs each row alone
@@ -107,8 +107,9 @@ def test_without_inflight_updates_a_batch_keeps_its_weights(tokenizer):
 
     config = GenerationConfig(do_sample=True, max_new_tokens=6, min_new_tokens=6,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    backend = HFBackend(ModelSpec(config=v0.config, dtype=torch.float32), None, store, config, 1.0,
-                        [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", heartbeat=heartbeat)  # fmt: skip
+    context = BackendContext(ModelSpec(config=v0.config, dtype=torch.float32), None, store, config, 1.0,
+                             [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", heartbeat=heartbeat)  # fmt: skip
+    backend = HFBackend(context)
     backend.load()
     prompt = chat_prompt(tokenizer, "What is 1+2?")
     out = backend.generate([prompt], seed=0)

@@ -17,8 +17,9 @@ import warnings
 
 REMOVAL_VERSION = "0.2.0"
 
-# Old module path -> new module path.
-MOVED_MODULES = {
+# Old module path -> new module path (or paths: the old module's names now live in several; the first is its main
+# home, and the one `python -m old.path` runs).
+MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "trl_async.grpo": "trl_async.trainers.grpo",
     "trl_async.ppo": "trl_async.trainers.ppo",
     "trl_async.losses": "trl_async.algorithms.m2po",
@@ -31,7 +32,13 @@ MOVED_MODULES = {
     "trl_async.shared_prompt": "trl_async.trainers.forward",
     "trl_async.trainers.trl_contract": "trl_async.trl_contract",
     "trl_async.rollout.client": "trl_async.rollout.pipeline",
-    "trl_async.rollout.vllm_backend": "trl_async.rollout.backends.vllm",
+    "trl_async.rollout.vllm_backend": (
+        "trl_async.rollout.backends.vllm_server",
+        "trl_async.rollout.backends.vllm",
+        "trl_async.rollout.backends.vllm_sampling",
+        "trl_async.rollout.backends.vllm_weights",
+        "trl_async.rollout.backends.base",
+    ),
 }
 
 # (old module, name) -> (new module, new name), for names that left a module that still exists or were renamed.
@@ -54,21 +61,35 @@ def _warn(old: str, new: str, stacklevel: int) -> None:
 
 
 class _MovedModuleLoader(importlib.abc.Loader):
-    def __init__(self, old: str, new: str):
-        self.old, self.new = old, new
+    def __init__(self, old: str, new: str | tuple[str, ...]):
+        self.old, self.new = old, (new,) if isinstance(new, str) else new
 
     def create_module(self, spec):
-        return None  # a fresh module object under the old name (the new module's own spec stays untouched)
+        return None  # a fresh module object under the old name (the new modules' own specs stay untouched)
 
     def exec_module(self, module):
-        _warn(self.old, self.new, stacklevel=3)  # importlib's frames are skipped by `warnings`
-        new = importlib.import_module(self.new)
-        # The same objects under the old name: identity and `isinstance` hold.
-        module.__dict__.update({k: v for k, v in vars(new).items() if not k.startswith("__") or k == "__all__"})
+        _warn(self.old, " and ".join(self.new), stacklevel=3)  # importlib's frames are skipped by `warnings`
+        # The same objects under the old name: identity and `isinstance` hold. The main home last: it wins a clash.
+        for new in reversed(self.new):
+            names = vars(importlib.import_module(new))
+            module.__dict__.update({k: v for k, v in names.items() if not k.startswith("__") or k == "__all__"})
         for (old_module, name), (new_module, new_name) in MOVED_NAMES.items():  # renamed in the move
             if old_module == self.old:
                 setattr(module, name, getattr(importlib.import_module(new_module), new_name))
-        module.__doc__ = f"Moved to `{self.new}` (removed in trl_async {REMOVAL_VERSION})."
+        module.__doc__ = f"Moved to `{self.new[0]}` (removed in trl_async {REMOVAL_VERSION})."
+
+    # `python -m old.path`: runs the main new home as the script, with the warning.
+    def is_package(self, fullname) -> bool:
+        return False
+
+    def get_code(self, fullname):
+        source = (
+            "import runpy\n"
+            "from trl_async import _compat\n"
+            f"_compat._warn({self.old!r}, {self.new[0]!r}, stacklevel=2)\n"
+            f"runpy.run_module({self.new[0]!r}, run_name='__main__', alter_sys=True)\n"
+        )
+        return compile(source, f"<{self.old}: moved to {self.new[0]}>", "exec")
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):

@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from trl_async.rollout.backends import ModelSpec
+from trl_async.rollout.backends import BackendContext, ModelSpec
 from trl_async.rollout.weights import SharedWeightStore, named_frozen_parameters, named_trainable_parameters
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 
@@ -58,6 +58,13 @@ def generation_config(max_new_tokens: int = 12, **sampling) -> GenerationConfig:
     return GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=True, pad_token_id=PAD, bos_token_id=1, eos_token_id=[EOS], **sampling
     )
+
+
+def backend_context(model, frozen_store, trainable_store, config: GenerationConfig | None = None, **fields):
+    """What the tiny model's backends are built from: its stores, `config` (default `generation_config()`),
+    temperature 1, its EOS and padding ids; `fields` set the rest (device, heartbeat)."""
+    config = generation_config() if config is None else config
+    return BackendContext(model_spec(model), frozen_store, trainable_store, config, 1.0, [EOS], PAD, **fields)
 
 
 def perturb_(model, scale: float, generator: torch.Generator, only_trainable: bool = True) -> None:
@@ -137,7 +144,9 @@ def engine_child(spec, frozen_store, trainable_store, gen_config, requests, resu
     def beat():
         beats[0] += 1
 
-    backend = VLLMBackend(spec, frozen_store, trainable_store, gen_config, 1.0, [EOS], PAD, heartbeat=beat)
+    backend = VLLMBackend(
+        BackendContext(spec, frozen_store, trainable_store, gen_config, 1.0, [EOS], PAD, heartbeat=beat)
+    )
     try:
         version = backend.load()
         # The child is daemonic: vLLM must have started no process of its own.

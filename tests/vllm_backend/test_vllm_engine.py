@@ -13,18 +13,19 @@ import torch  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     EOS,
     PAD,
+    backend_context,
     engine_sequence_logprobs,
     generation_config,
     hf_logits,
     hf_sequence_logprobs,
-    model_spec,
     perturb_,
     processed_logprobs_reference,
     stores_for,
     tiny_model,
     tiny_prompts,
 )
-from trl_async.rollout.backends.vllm import VLLMBackend, sampling_kwargs  # noqa: E402
+from trl_async.rollout.backends.vllm import VLLMBackend  # noqa: E402
+from trl_async.rollout.backends.vllm_sampling import sampling_kwargs  # noqa: E402
 
 TOLERANCE = 1e-3  # float32 engine vs float32 transformers, as the bar
 
@@ -35,14 +36,7 @@ def engine():
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     backend = VLLMBackend(
-        model_spec(model),
-        frozen_store,
-        trainable_store,
-        generation_config(),
-        1.0,
-        [EOS],
-        PAD,
-        device="cpu",
+        backend_context(model, frozen_store, trainable_store, device="cpu"),
         # A small step budget (the tiny model's 256-token context is the least it may be): a 24-row batch of
         # ~17-token prompts then needs more than one step to prefill.
         engine_kwargs={"max_num_batched_tokens": 256},
@@ -156,34 +150,8 @@ def test_unhonourable_settings_fail_before_the_engine_starts():
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     with pytest.raises(ValueError, match="no_repeat_ngram_size"):
-        VLLMBackend(
-            model_spec(model),
-            frozen_store,
-            trainable_store,
-            generation_config(no_repeat_ngram_size=3),
-            1.0,
-            [EOS],
-            PAD,
-        )
+        VLLMBackend(backend_context(model, frozen_store, trainable_store, generation_config(no_repeat_ngram_size=3)))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        VLLMBackend(
-            model_spec(model),
-            frozen_store,
-            trainable_store,
-            generation_config(),
-            1.0,
-            [EOS],
-            PAD,
-            tensor_parallel_size=2,
-        )
+        VLLMBackend(backend_context(model, frozen_store, trainable_store), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        VLLMBackend(
-            model_spec(model),
-            frozen_store,
-            trainable_store,
-            generation_config(),
-            1.0,
-            [EOS],
-            PAD,
-            gpu_memory_utilization=0.5,
-        )
+        VLLMBackend(backend_context(model, frozen_store, trainable_store), gpu_memory_utilization=0.5)

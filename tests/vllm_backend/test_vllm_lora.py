@@ -9,18 +9,17 @@ from peft import LoraConfig  # noqa: E402
 
 from tests.support.vllm import (  # noqa: E402
     EOS,
-    PAD,
+    backend_context,
     engine_sequence_logprobs,
-    generation_config,
     hf_logits,
     hf_sequence_logprobs,
-    model_spec,
     perturb_,
     stores_for,
     tiny_model,
     tiny_prompts,
 )
-from trl_async.rollout.backends.vllm import VLLMBackend, merge_lora_weights  # noqa: E402
+from trl_async.rollout.backends.vllm import VLLMBackend  # noqa: E402
+from trl_async.rollout.backends.vllm_weights import merge_lora_weights  # noqa: E402
 
 TOLERANCE = 1e-3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -35,9 +34,7 @@ def engine():
     torch.manual_seed(0)
     model = tiny_model(lora_config())
     frozen_store, trainable_store = stores_for(model)
-    backend = VLLMBackend(
-        model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD, device="cpu"
-    )
+    backend = VLLMBackend(backend_context(model, frozen_store, trainable_store, device="cpu"))
     assert backend.load() == 0
     yield model, frozen_store, trainable_store, backend
     backend.close()
@@ -104,7 +101,7 @@ def test_merged_weights_match_peft_merge(overrides):
 def test_unsupported_adapters_are_refused_before_start():
     model = tiny_model(lora_config(use_dora=True))
     frozen_store, trainable_store = stores_for(model)
-    backend = VLLMBackend(model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD)
+    backend = VLLMBackend(backend_context(model, frozen_store, trainable_store))
     with pytest.raises(ValueError, match="DoRA"):
         backend.load()
     backend.close()

@@ -20,17 +20,18 @@ import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from tests.support.vllm import (  # noqa: E402
-    EOS,
-    PAD,
-    generation_config,
+    backend_context,
     hf_logits,
-    model_spec,
     perturb_,
     stores_for,
     tiny_model,
     tiny_prompts,
 )
-from trl_async.rollout.backends.vllm import VLLMServerBackend, serve_environment, vllm_serve_command  # noqa: E402
+from trl_async.rollout.backends.vllm_server import (  # noqa: E402
+    VLLMServerBackend,
+    serve_environment,
+    vllm_serve_command,
+)
 from trl_async.toy import tiny_model_path  # noqa: E402
 
 TOLERANCE = 1e-3
@@ -103,9 +104,7 @@ def test_full_weights_reach_the_server(server):
     reference = tiny_model()  # the weights the server loaded from disk
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
-    backend = VLLMServerBackend(
-        model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD, base_url=server
-    )
+    backend = VLLMServerBackend(backend_context(model, frozen_store, trainable_store), base_url=server)
     try:
         assert backend.load() == 0
         perturb_(model, 0.05, torch.Generator().manual_seed(1))
@@ -139,9 +138,7 @@ def test_lora_adapter_only_updates_reach_the_server(server):
     model = tiny_model(config)
     perturb_(model.get_base_model(), 0.02, torch.Generator().manual_seed(3), only_trainable=False)
     frozen_store, trainable_store = stores_for(model)
-    backend = VLLMServerBackend(
-        model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD, base_url=server
-    )
+    backend = VLLMServerBackend(backend_context(model, frozen_store, trainable_store), base_url=server)
     try:
         assert backend.load() == 0
         prompts = tiny_prompts(6, seed=4)
@@ -167,9 +164,7 @@ def test_nccl_weight_sync_refuses_cpu():
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     with pytest.raises(ValueError, match="CUDA"):
-        VLLMServerBackend(
-            model_spec(model), frozen_store, trainable_store, generation_config(), 1.0, [EOS], PAD, weight_sync="nccl"
-        )
+        VLLMServerBackend(backend_context(model, frozen_store, trainable_store), weight_sync="nccl")
 
 
 @pytest.mark.slow
@@ -181,14 +176,7 @@ def test_nccl_weights_reach_the_server(server):
     model = tiny_model()
     frozen_store, trainable_store = stores_for(model)
     backend = VLLMServerBackend(
-        model_spec(model),
-        frozen_store,
-        trainable_store,
-        generation_config(),
-        1.0,
-        [EOS],
-        PAD,
-        device="cuda",
+        backend_context(model, frozen_store, trainable_store, device="cuda"),
         base_url=server,
         weight_sync="nccl",
     )

@@ -2,7 +2,14 @@
 and the trainer-side rollout component that the trainers share."""
 
 from ..schedule import last_use_version
-from .backends import GenerationBackend, GenerationOutput, HFBackend, ModelSpec, generate_with_behaviour_logprobs
+from .backends import (
+    BackendContext,
+    GenerationBackend,
+    GenerationOutput,
+    HFBackend,
+    ModelSpec,
+    generate_with_behaviour_logprobs,
+)
 from .generator import GenerationProcess, GeneratorError, GeneratorSpec, RolloutProducer, batch_seed
 from .payload import RolloutPayload
 from .pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
@@ -11,6 +18,7 @@ from .queue import QueueClosed, QueueItem, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
 __all__ = [
+    "BackendContext",
     "GenerationBackend",
     "GenerationOutput",
     "GenerationProcess",

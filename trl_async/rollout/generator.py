@@ -37,7 +37,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as torch_mp
 
-from .backends import GenerationOutput, ModelSpec, make_backend
+from .backends import BackendContext, GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
 from .payload import RolloutPayload
 from .prompts import STREAM_SETTINGS, PromptStream, check_prompt_ids, check_prompt_values, context_length
@@ -395,8 +395,7 @@ def _generator_main(
             if control.stop_requested:
                 raise QueueClosed("stop requested")
 
-        backend = make_backend(
-            spec.backend,
+        context = BackendContext(
             model_spec=spec.model_spec,
             frozen_store=frozen_store,
             trainable_store=trainable_store,
@@ -406,8 +405,8 @@ def _generator_main(
             pad_token_id=spec.pad_token_id,
             device=spec.device,
             heartbeat=control.beat,
-            **spec.backend_options,
         )
+        backend = make_backend(spec.backend, context, **spec.backend_options)
         backend.load()
         on_idle = None
         if lending is not None and isinstance(getattr(backend, "model", None), torch.nn.Module):

@@ -1,8 +1,9 @@
 """The generation backend interface, and what a backend returns.
 
-A backend owns the generator's copy of the policy. Its interface is deliberately small, so that engines (transformers
-`generate` in `hf`, a vLLM engine or a `trl vllm-serve` server in `vllm`) slot in without touching the queue or the
-trainers:
+A backend owns the generator's copy of the policy. Every backend is built as `Backend(context, **options)`: a
+`BackendContext` (the policy to build, the weight stores, the sampling settings, the device, the heartbeat), then the
+options of that engine alone. Its interface is deliberately small, so that engines (transformers `generate` in `hf`, a
+vLLM engine in `vllm`, a `trl vllm-serve` server in `vllm_server`) slot in without touching the queue or the trainers:
 
 * `load()` builds the model and applies the start-up weights; returns their version;
 * `generate(prompt_ids, seed)` samples one completion per prompt row and returns the ids (cut after the first EOS) with
@@ -20,8 +21,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from ..weights import SharedWeightStore
 
 
 @dataclasses.dataclass
@@ -76,8 +84,45 @@ class ModelSpec:
     generation_defaults: object | None = None
 
 
+def no_heartbeat() -> None:
+    """The default heartbeat: nothing watches the backend. A module-level function rather than a lambda, so that a
+    `BackendContext` pickles (tests send contexts to spawned processes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendContext:
+    """What every backend is built from, whichever engine it drives; each backend takes its own options besides."""
+
+    model_spec: ModelSpec
+    # The weights the trainer never changes (a LoRA model's base), read once at `load()`; None for a full fine-tune
+    # whose parameters are all trainable.
+    frozen_store: SharedWeightStore | None
+    trainable_store: SharedWeightStore  # the weights the trainer publishes, read at every `update_weights()`
+    # TRL's generation config: each backend derives its own sampling settings from it (`hf`: a copy set up for
+    # rollouts; `vllm`: SamplingParams fields, refused where vLLM cannot honour them).
+    generation_config: GenerationConfig
+    temperature: float  # the trainer's, which its π_θ divides the logits by
+    eos_token_ids: Sequence[int]  # a completion ends after the first of these
+    pad_token_id: int  # fills completions after their end
+    device: str | torch.device = "cpu"
+    # Called at every decoding step and weight update: the trainer takes a generation process that stops beating for
+    # a hung one.
+    heartbeat: Callable[[], None] = no_heartbeat
+
+
 class GenerationBackend(abc.ABC):
     name: str
+
+    def __init__(self, context: BackendContext):
+        self.context = context
+        self.model_spec = context.model_spec
+        self.frozen_store = context.frozen_store
+        self.trainable_store = context.trainable_store
+        self.eos_token_ids = list(context.eos_token_ids)
+        self.pad_token_id = context.pad_token_id
+        self.device = torch.device(context.device)
+        self.heartbeat = context.heartbeat
+        self.version = -1  # the weights version loaded; -1 until `load()`
 
     @abc.abstractmethod
     def load(self) -> int:

@@ -15,8 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..weights import SharedWeightStore
-from .base import GenerationBackend, GenerationOutput, ModelSpec, first_eos_mask
+from .base import BackendContext, GenerationBackend, GenerationOutput, first_eos_mask
 
 
 class _SampledTokenLogprobs(LogitsProcessor):
@@ -274,31 +273,11 @@ class HFBackend(GenerationBackend):
 
     name = "hf"
 
-    def __init__(
-        self,
-        model_spec: ModelSpec,
-        frozen_store: SharedWeightStore | None,
-        trainable_store: SharedWeightStore,
-        generation_config: GenerationConfig,
-        temperature: float,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        device: str | torch.device = "cpu",
-        heartbeat: Callable[[], None] = lambda: None,
-        inflight_weight_updates: bool = False,
-    ):
-        self.model_spec = model_spec
+    def __init__(self, context: BackendContext, *, inflight_weight_updates: bool = False):
+        super().__init__(context)
         self.inflight_weight_updates = inflight_weight_updates
-        self.frozen_store = frozen_store
-        self.trainable_store = trainable_store
-        self.generation_config = generation_config_for_rollouts(generation_config)
-        self.temperature = temperature
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
-        self.device = torch.device(device)
-        self.heartbeat = heartbeat
+        self.generation_config = generation_config_for_rollouts(context.generation_config)
         self.model = None
-        self.version = -1
 
     def load(self) -> int:
         spec = self.model_spec
