@@ -18,15 +18,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ._tokens import reduce_alphabet
 from .base import to_device
 
-if TYPE_CHECKING:
-    from .math_answer import MathAnswerReward
+
+class MarkerReward(Protocol):
+    """What this module reads of a `MathAnswerReward` (its tables, built by `_build_marker_tables` and the reward)."""
+
+    sentinel: int
+    _class_bits: int
+    _km: int
+    _base: int
+    _eos_code: int
+    _code: torch.Tensor
+    _step_lut: torch.Tensor | None
+    _class_by_length: list
+    _keys: torch.Tensor
+    _feat: torch.Tensor
+    _table: torch.Tensor
+    _n_rows: int
+    _stride: int
+    _version: int
+
 
 _POS_BITS = 24  # padded completion length < 2**24
 _OFF = 1 << _POS_BITS  # (shifted by the class bits) added at marker ends: markers outrank every other position
@@ -102,7 +119,7 @@ def _build_marker_tables(
     return tables
 
 
-def _last_marker(reward: MathAnswerReward, st: _DeviceState, ws: _Workspace) -> torch.Tensor:
+def _last_marker(reward: MarkerReward, st: _DeviceState, ws: _Workspace) -> torch.Tensor:
     """The last marker before the first stop in each row, packed as `OFF + ((p + 1) << bits) + class` (p: its last
     token's padded position); `OFF` (class 0) when there is none. Shape `(B, 1)`."""
     off = _OFF << reward._class_bits
@@ -140,7 +157,7 @@ class _Workspace:
     nothing outside a call keeps a reference to them (so one reward object must not score from several threads at
     once)."""
 
-    def __init__(self, reward: MathAnswerReward, st: _DeviceState, batch: int, length: int, window: int):
+    def __init__(self, reward: MarkerReward, st: _DeviceState, batch: int, length: int, window: int):
         device, o, shift = st.device, reward._km, reward._class_bits
         width = o + length + window
         if width >= 1 << _POS_BITS:
@@ -175,7 +192,7 @@ class _Workspace:
 class _DeviceState:
     """Tensors of one `MathAnswerReward` on one device, and per-shape workspaces."""
 
-    def __init__(self, reward: MathAnswerReward, device: torch.device):
+    def __init__(self, reward: MarkerReward, device: torch.device):
         self.device = device
         self.code = to_device(reward._code, device)
         self.step_lut = None if reward._step_lut is None else to_device(reward._step_lut, device)
@@ -186,19 +203,19 @@ class _DeviceState:
         self._workspaces: dict[tuple[int, int, int], _Workspace] = {}
         self.sync(reward)
 
-    def sync(self, reward: MathAnswerReward) -> None:
+    def sync(self, reward: MarkerReward) -> None:
         # On the host's own device these are the reward's tensors themselves (appended rows show up directly).
         self.feat = to_device(reward._feat, self.device)
         self.table = to_device(reward._table, self.device)
         self.version, self.rows = reward._version, reward._n_rows
 
-    def sync_rows(self, reward: MathAnswerReward) -> None:
+    def sync_rows(self, reward: MarkerReward) -> None:
         lo, hi = self.rows * reward._stride, reward._n_rows * reward._stride
         if self.table is not reward._table:
             self.table[lo:hi] = to_device(reward._table[lo:hi], self.device)
         self.rows = reward._n_rows
 
-    def workspace(self, reward: MathAnswerReward, batch: int, length: int, window: int) -> _Workspace:
+    def workspace(self, reward: MarkerReward, batch: int, length: int, window: int) -> _Workspace:
         key = (batch, length, window)
         ws = self._workspaces.get(key)
         if ws is None:

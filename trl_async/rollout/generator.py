@@ -395,16 +395,11 @@ def _generator_main(
             if control.stop_requested:
                 raise QueueClosed("stop requested")
 
+        # The spec carries the context's model and sampling fields under the same names; the stores and the heartbeat
+        # are this process's.
+        shared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(BackendContext) if hasattr(spec, f.name)}
         context = BackendContext(
-            model_spec=spec.model_spec,
-            frozen_store=frozen_store,
-            trainable_store=trainable_store,
-            generation_config=spec.generation_config,
-            temperature=spec.temperature,
-            eos_token_ids=spec.eos_token_ids,
-            pad_token_id=spec.pad_token_id,
-            device=spec.device,
-            heartbeat=control.beat,
+            frozen_store=frozen_store, trainable_store=trainable_store, heartbeat=control.beat, **shared
         )
         backend = make_backend(spec.backend, context, **spec.backend_options)
         backend.load()

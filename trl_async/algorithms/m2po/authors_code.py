@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .selection import (
     M2POSelection,
+    _device_sums,
     _empty_selection,
     _exp_safe_max,
     _float32_ceil,
@@ -28,7 +29,7 @@ from .selection import (
     _scalar,
     _Tokens,
 )
-from .stats import _device_sums, _stats_from_device, _stats_from_host
+from .stats import _stats_from_device, _stats_from_host
 
 # The authors' code compares with these slacks (``1e-12`` in ``kpo_clip_harmful_tokens`` and
 # ``_solve_tau_from_sorted_delta2``); "authors_code" keeps them so that it decides exactly as their code does.

@@ -33,6 +33,7 @@ from .selection import (
     M2POSelection,
     _check_floors,
     _check_rule,
+    _device_sums,
     _drop_count,
     _empty_selection,
     _exp_safe_max,
@@ -43,7 +44,7 @@ from .selection import (
     _rank_desc_then_index,
     _Tokens,
 )
-from .stats import _device_sums, _host_vector, _stats_from_device, _stats_from_host
+from .stats import _host_vector, _stats_from_device, _stats_from_host
 
 # Fast path (b) looks at the top-k0 largest delta^2 first, with k0 = max(_TOPK_MIN, ceil(numel * _TOPK_FRACTION))
 # (capped at numel).  k0 is derived from numel because the number of candidates is only known after the host

@@ -22,6 +22,7 @@ from .selection import (
     _broadcast_advantages,
     _check_floors,
     _check_rule,
+    _device_sums,
     _drop_count,
     _float32_floor,
     _in_host_memory,
@@ -30,7 +31,7 @@ from .selection import (
     _scalar,
     _Tokens,
 )
-from .stats import _device_sums, _stats_from_device
+from .stats import _stats_from_device
 
 
 def m2po_select_global(

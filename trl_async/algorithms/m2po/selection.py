@@ -18,7 +18,7 @@ import struct
 import torch
 from torch import Tensor
 
-from .stats import M2POStats, _device_sums, _empty_sums, _stats_from_device, _stats_from_host
+from .stats import M2POStats, _empty_sums, _stats_from_device, _stats_from_host
 
 M2PO_RULES = ("paper", "all_tokens", "authors_code")
 M2PO_SCOPES = ("micro_batch", "global")
@@ -222,3 +222,25 @@ def _drop_count(sorted_vals: Tensor, n_cand: int, small_sum: Tensor | float, tau
     found = cond.any()
     k_star = torch.argmax(cond.to(torch.uint8))
     return k_star, found, rem
+
+
+def _device_sums(tok: _Tokens, keep: Tensor) -> Tensor:
+    """``M2PO_SUM_KEYS`` reduced on the device from a finished selection (no sync)."""
+    d2, valid = tok.d2, tok.valid  # d2 is 0 on padding
+    n_valid, n_kept = valid.sum(), keep.sum()
+    counts = [n_valid, n_kept]
+    d2_sums = [d2.sum(dtype=torch.float64), torch.where(keep, d2, 0.0).sum(dtype=torch.float64)]
+    trust = tok.trust
+    if trust is None:
+        zero = torch.zeros((), dtype=torch.float64, device=d2.device)
+        counts += [zero, zero]
+        d2_sums += [zero, zero]
+    else:
+        kept_tr = trust & keep
+        counts += [trust.sum(), kept_tr.sum()]
+        d2_sums += [
+            torch.where(trust, d2, 0.0).sum(dtype=torch.float64),
+            torch.where(kept_tr, d2, 0.0).sum(dtype=torch.float64),
+        ]
+    all_masked = (n_valid > 0) & (n_kept == 0)  # valid tokens, none of them carrying gradient
+    return torch.stack([c.to(torch.float64) for c in counts] + d2_sums + [all_masked.to(torch.float64)])

@@ -9,15 +9,10 @@ per log; the ``M2PO_STAT_KEYS`` figures of a single call are derived from its ``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .selection import _Tokens
-
 
 # Raw per-call quantities (float64), summable across micro-batches and ranks; :func:`m2po_metrics` turns a sum of
 # them into the logged figures.  "d2" is delta^2; "kept" means the token carries gradient (not masked / clipped).
@@ -143,25 +138,3 @@ def _stats_from_device(sums: Tensor, extra: dict | None = None) -> M2POStats:
 
 def _empty_sums() -> list:
     return [0.0] * len(M2PO_SUM_KEYS)
-
-
-def _device_sums(tok: _Tokens, keep: Tensor) -> Tensor:
-    """``M2PO_SUM_KEYS`` reduced on the device from a finished selection (no sync)."""
-    d2, valid = tok.d2, tok.valid  # d2 is 0 on padding
-    n_valid, n_kept = valid.sum(), keep.sum()
-    counts = [n_valid, n_kept]
-    d2_sums = [d2.sum(dtype=torch.float64), torch.where(keep, d2, 0.0).sum(dtype=torch.float64)]
-    trust = tok.trust
-    if trust is None:
-        zero = torch.zeros((), dtype=torch.float64, device=d2.device)
-        counts += [zero, zero]
-        d2_sums += [zero, zero]
-    else:
-        kept_tr = trust & keep
-        counts += [trust.sum(), kept_tr.sum()]
-        d2_sums += [
-            torch.where(trust, d2, 0.0).sum(dtype=torch.float64),
-            torch.where(kept_tr, d2, 0.0).sum(dtype=torch.float64),
-        ]
-    all_masked = (n_valid > 0) & (n_kept == 0)  # valid tokens, none of them carrying gradient
-    return torch.stack([c.to(torch.float64) for c in counts] + d2_sums + [all_masked.to(torch.float64)])
