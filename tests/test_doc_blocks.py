@@ -256,6 +256,8 @@ def test_shell_blocks_that_cannot_run_are_refused():
         shell_script("docker run trl-async\n")
     with pytest.raises(BlockError, match="cheapest flags of 'benchmarks/bench_soak.py'"):
         shell_script("python benchmarks/bench_soak.py\n")
+    with pytest.raises(BlockError, match="simple command"):
+        shell_script("python recipes/qwen_math.py --seed $SEED\n")  # quoted, $SEED would not expand
 
 
 def test_signature_check_names_each_difference():

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import inspect
 import io
+import itertools
 import re
 import shlex
 import tokenize
@@ -367,8 +368,7 @@ def shell_script(code: str, free_port: int | None = None) -> tuple[str, list[str
     left_out, ran = [], 0
     for command in shell_commands(code):
         words = _words(command.text)
-        assignments = [w for w in words if ENV_ASSIGNMENT.match(w)]
-        words_after_env = words[len(assignments) :] if words[: len(assignments)] == assignments else words
+        words_after_env = list(itertools.dropwhile(ENV_ASSIGNMENT.match, words))  # past `OMP_NUM_THREADS=1 ...`
         if not words or words[0] == "export":
             script.append(command.text)
             continue
@@ -392,8 +392,11 @@ def shell_script(code: str, free_port: int | None = None) -> tuple[str, list[str
         background = words[-1] == "&"
         if background:
             words = words[:-1]
-        if any(set(w) <= set("&|;<>()") for w in words) or command.heredoc:
-            raise BlockError(f"`{command.text.strip()}`: cheap flags can only be appended to a simple command")
+        if any(set(w) <= set("&|;<>()") or "$" in w for w in words) or command.heredoc:  # (quoting would break them)
+            raise BlockError(
+                f"`{command.text.strip()}`: cheap flags can only be appended to a simple command (no operators, "
+                "heredoc or $expansions)"
+            )
         rewritten = shlex.join([*words, *CHEAP_FLAGS[key]])
         script.append(rewritten + (" &" if background else ""))
     if not ran:
