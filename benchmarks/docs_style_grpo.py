@@ -12,6 +12,11 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
 
+USAGE = "usage: python docs_style_grpo.py {trl,async} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS]"
+if len(sys.argv) not in (5, 6) or sys.argv[1] not in ("trl", "async"):  # --help or a wrong call: the usage line
+    asked = sys.argv[1:] in (["-h"], ["--help"])
+    print(USAGE, file=sys.stdout if asked else sys.stderr)
+    raise SystemExit(0 if asked else 2)
 trainer_name, model_path, data_file, output_dir = sys.argv[1:5]
 max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 120
 dataset = load_dataset("json", data_files=data_file, split="train")

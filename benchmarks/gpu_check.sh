@@ -45,8 +45,12 @@ case "${1:-}" in
     exit 0
     ;;
 --cpu-smoke) MODE=cpu-smoke ;;
+-h | --help)
+    sed -n '2,/^set -u/{/^set -u/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" # this header, as the usage
+    exit 0
+    ;;
 "") ;;
-*) echo "usage: $0 [--fetch-wheels | --cpu-smoke]" >&2; exit 2 ;;
+*) echo "usage: $0 [--fetch-wheels | --cpu-smoke | --help]" >&2; exit 2 ;;
 esac
 
 OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}

@@ -17,6 +17,7 @@ command line (`--learning_rate 1e-4`). Unknown YAML keys are an error that names
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -215,6 +216,15 @@ def requested_trainer(argv: list[str]) -> str:
     return trainer
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help`: TrlParser's "(default: ...)" after each option, and the module docstring's command lines as written."""
+
+
+CONFIG_HELP = """\
+--config FILE   a YAML file of any of the options above, without the dashes (default: recipes/configs/tiny.yaml;
+                `trainer: ppo` in it selects AsyncPPOConfig's options). The command line overrides the file."""
+
+
 def parse_args(argv: list[str]):
     import torch
     from trl import ModelConfig, TrlParser
@@ -226,7 +236,13 @@ def parse_args(argv: list[str]):
     if not torch.cuda.is_available() and not any(a.startswith("--bf16") for a in argv):
         argv = [*argv, "--bf16", "false"]  # configs written for GPUs ask for bf16, which CPUs here cannot do
     config_class = AsyncPPOConfig if requested_trainer(argv) == "ppo" else AsyncGRPOConfig
-    parser = TrlParser((RecipeArguments, config_class, ModelConfig))
+    # TrlParser reads --config itself, before argparse: the epilog is where --help can show it.
+    parser = TrlParser(
+        (RecipeArguments, config_class, ModelConfig),
+        description=__doc__,
+        epilog=CONFIG_HELP,
+        formatter_class=HelpFormatter,
+    )
     recipe, training_args, model_args = parser.parse_args_and_config(args=argv)
     if recipe.trainer == "trl":
         # The A/B baseline: the same config through TRL's synchronous generation. Switching off only relaxes what

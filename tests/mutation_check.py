@@ -870,6 +870,41 @@ MUTATIONS = [
         ("tests/test_diverging_ranks.py::test_the_collective_check_names_both_ranks_calls_on_a_mismatch",),
         "the collective check fingerprints every call but never compares the ranks' fingerprints",
     ),
+    Mutation(
+        "help_percent_unescaped",
+        "trl_async/config/grpo.py",
+        "saves under 20%% of the tokens",
+        "saves under 20% of the tokens",
+        ("tests/test_config_help.py",),
+        "a bare '%' in a config field's help: `--help` of every TrlParser script crashes",
+    ),
+    Mutation(
+        "multinode_help_needs_servers",
+        "recipes/accelerate_configs/multinode_grpo.py",
+        '    if {"-h", "--help"} & set(sys.argv[1:]):',
+        "    if False:",
+        (
+            "tests/test_entry_points.py::test_help_exits_0_and_names_the_main_options"
+            "[recipes/accelerate_configs/multinode_grpo.py]",
+        ),
+        "`multinode_grpo.py --help` exits 1 asking for VLLM_SERVER_URLS instead of printing its options",
+    ),  # fmt: skip
+    Mutation(
+        "readme_snippet_needs_a_gpu",
+        "README.md",
+        'args=GRPOConfig(output_dir="out", max_steps=100, bf16=False),',
+        'args=GRPOConfig(output_dir="out", max_steps=100),',
+        ("tests/test_doc_blocks.py::test_doc_block_runs[README.md#use-it-in-your-own-script]",),
+        "README's own-script block with TRL's default bf16, which a CPU-only machine refuses",
+    ),
+    Mutation(
+        "errors_doc_names_another_exception",
+        "docs/errors.md",
+        "| `max_staleness_negative` | `max_staleness=-1` | `ValueError` |",
+        "| `max_staleness_negative` | `max_staleness=-1` | `TypeError` |",
+        bad_input("max_staleness_negative"),
+        "docs/errors.md names an exception the case does not raise",
+    ),
 ]
 
 
@@ -887,7 +922,8 @@ def apply(mutation: Mutation, root: str) -> None:
     if count != 1:
         raise SystemExit(f"mutation {mutation.name}: the text to replace occurs {count} times in {mutation.path}")
     text = text.replace(mutation.old, mutation.new)
-    compile(text, path, "exec")  # a mutant must be valid Python: a syntax error would 'kill' it trivially
+    if path.endswith(".py"):
+        compile(text, path, "exec")  # a mutant must be valid Python: a syntax error would 'kill' it trivially
     with open(path, "w") as f:
         f.write(text)
 

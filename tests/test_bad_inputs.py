@@ -204,7 +204,8 @@ class Case:
     when: str  # "config", "construct", "train" or "batch" (see the module docstring)
     source: str = "trl_async"  # whose check it is: "trl_async", or the library whose own clear error surfaces
     skip: Callable[[], str | None] = lambda: None  # a reason to skip here (a vLLM install, a GPU that exists)
-    same_message_everywhere: bool = True  # False: the message depends on the machine (docs show this one's)
+    # Whether this machine gives the message docs/errors.md quotes (some messages name what the machine lacks).
+    message_is_documented_here: Callable[[], bool] = lambda: True
 
 
 C = Case
@@ -249,7 +250,7 @@ CASES = [
       "construct"),
     C("generation_device_absent", "`generation_device='cuda:99'` (no such device here)",
       lambda u: u.trainer(args=u.config(generation_device="cuda:99")), ValueError, ("generation_device",),
-      "construct", same_message_everywhere=False),
+      "construct", message_is_documented_here=lambda: not torch.cuda.is_available()),  # (docs: a CPU machine's)
     C("vllm_not_installed", "`generation_backend='vllm'` without vLLM installed",
       lambda u: u.trainer(args=u.config(generation_backend="vllm")), ImportError, ("generation_backend='vllm'",),
       "construct", skip=lambda: "vLLM is installed here" if vllm_installed() else None),
@@ -427,15 +428,17 @@ def generation_processes(monkeypatch):
     return started
 
 
-def documented_messages() -> dict[str, str]:
+def documented_rows() -> dict[str, list[str]]:
+    """docs/errors.md's table: case id -> its cells (Case, Input, Raised, When, Check, Message)."""
     text = DOCS.read_text()
     table = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     rows = [line for line in table.strip().splitlines()[2:] if line.startswith("|")]
-    messages = {}
-    for row in rows:
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
-        messages[cells[0].strip("`")] = cells[-1]
-    return messages
+    cells = [[cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]] for row in rows]
+    return {row[0].strip("`"): row for row in cells}
+
+
+def documented_messages() -> dict[str, str]:
+    return {case_id: cells[-1] for case_id, cells in documented_rows().items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -458,16 +461,23 @@ def test_bad_input_is_a_clear_error_and_leaves_nothing_behind(case, tmp_path, ch
         assert process is None or process.pid is None or pid_is_gone(process.pid)
         assert spool_dir is None or not os.path.exists(spool_dir), f"{spool_dir} left behind"
     assert {e for e in shm_entries() if e.startswith(torch_shm)} <= before
-    # The message in docs/errors.md is this one.
-    if case.same_message_everywhere:
+    # The exception and the message in docs/errors.md are these.
+    assert documented_rows()[case.id][2] == f"`{type(error).__name__}`", "docs/errors.md names another exception"
+    if case.message_is_documented_here():
         assert documented_messages().get(case.id) == documented_form(line, tmp_path), (
             "docs/errors.md is out of date: run `python tests/test_bad_inputs.py --write-docs`"
         )
 
 
 def test_docs_list_every_case_with_its_message():
-    assert list(documented_messages()) == [c.id for c in CASES]
+    """docs/errors.md's table has a row per case, in order, whose Input, When and Check columns are the case's (the
+    Raised and Message columns are checked against what each case raises, above)."""
+    rows = documented_rows()
+    assert list(rows) == [c.id for c in CASES]
     assert len(CASES) >= 30
+    for case in CASES:
+        _, what, _, when, source, _ = rows[case.id]
+        assert (what, when, source) == (case.what, case.when, case.source), f"docs/errors.md's row of {case.id}"
 
 
 # ----------------------------------------------------------------------------------------------- not errors

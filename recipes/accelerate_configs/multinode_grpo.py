@@ -1,4 +1,4 @@
-"""The multi-node example's training script: recipes/qwen_math.py, with this rank's vLLM server picked for it.
+r"""The multi-node example's training script: recipes/qwen_math.py, with this rank's vLLM server picked for it.
 
     VLLM_SERVER_URLS=http://gen0:8000,http://gen0:8002,... accelerate launch --config_file ... multinode_grpo.py \
         --config recipes/accelerate_configs/multinode_recipe.yaml
@@ -27,6 +27,9 @@ def server_for_rank(urls: str, rank: int) -> str:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):  # what this script adds, then the recipe's options; no servers needed
+        print(__doc__)
+        recipe_main(sys.argv[1:])
     urls = os.environ.get("VLLM_SERVER_URLS")
     if urls is None:
         raise SystemExit("Set VLLM_SERVER_URLS to the vLLM servers' URLs, comma-separated (see the README).")

@@ -9,5 +9,7 @@ there for the `tests` package, and `tests/conftest.py` hands it to subprocesses 
 * `hub`: the Hugging Face Hub stand-in, over HTTP (`hub.server`, pushes and loads) and as a pre-filled offline cache
   (`hub.cache`, for TRL's own test suite in `benchmarks/trl_compat`);
 * `vllm`: helpers of the vLLM tests (`tests/vllm_backend`, run in the vLLM environment);
-* `weights`: reading a weight store's consistent snapshot.
+* `weights`: reading a weight store's consistent snapshot;
+* `doc_blocks`, `doc_stand_ins`: the code blocks of README and docs/ and what `tests/test_doc_blocks.py` runs for
+  each (the stand-ins live in the child process that runs a Python block).
 """

@@ -150,7 +150,7 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "Compute each prompt once per group in the training forward instead of once per completion "
             "(trl_async/trainers/forward.py), with the log-probs and gradients of TRL's forward: the rows of a group are "
             "packed into one sequence, each completion attending to the shared prompt and to itself; where that "
-            "saves under 20% of the tokens (long completions), the prompts run once as a key/value prefix that the "
+            "saves under 20%% of the tokens (long completions), the prompts run once as a key/value prefix that the "
             "completions read (single-process training only). 'auto': on when the trainer computes on the CPU, "
             "where the forward's cost is its tokens (on a GPU the dense mask it needs keeps attention off the "
             "fastest kernels; not measured there). 'on': wherever possible. 'off': TRL's forward. Needs sdpa or eager "
