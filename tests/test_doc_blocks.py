@@ -261,9 +261,9 @@ def test_shell_blocks_that_cannot_run_are_refused():
 
 
 def test_signature_check_names_each_difference():
-    from trl_async.rollout.backends.vllm import VLLMServerBackend  # noqa: F401  (the module the check imports)
+    from trl_async.rollout.backends.vllm_server import VLLMServerBackend  # noqa: F401  (the module the check imports)
 
-    target = "trl_async.rollout.backends.vllm.VLLMServerBackend"
+    target = "trl_async.rollout.backends.vllm_server.VLLMServerBackend"
     block = next(b for b in BLOCKS if b.signature_target == target)
     assert signature_mismatches(block.code, target) == []
     wrong_default = block.code.replace("port=8000", "port=8001")

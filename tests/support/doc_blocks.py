@@ -291,6 +291,9 @@ def signature_mismatches(code: str, target: str) -> list[str]:
         elif isinstance(default, ast.Lambda):
             if not callable(parameter.default):
                 problems.append(f"{name}: documented default is a function, is {parameter.default!r}")
+        elif isinstance(default, ast.Name):  # a named default (a function): the same name
+            if getattr(parameter.default, "__name__", None) != default.id:
+                problems.append(f"{name}: documented default {default.id}, is {parameter.default!r}")
         elif ast.literal_eval(default) != parameter.default:
             problems.append(f"{name}: documented default {ast.unparse(default)}, is {parameter.default!r}")
     return problems
