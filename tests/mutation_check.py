@@ -520,6 +520,18 @@ MUTATIONS = [
         "E[δ²] after masking or clipping is the same as before: the diagnostic cannot show what the loss removed",
     ),
     Mutation(
+        "offpolicy_after_over_every_token",
+        "trl_async/algorithms/offpolicy.py",
+        'out["offpolicy/delta_sq_after"] = s["delta_sq_kept"] / kept if kept else 0.0',
+        'out["offpolicy/delta_sq_after"] = s["delta_sq_kept"] / tokens if kept else 0.0',
+        (
+            "tests/test_offpolicy.py::test_delta_sq_after_is_the_mean_over_the_tokens_kept_after_masking_and_clipping",
+            "tests/test_offpolicy.py::"
+            "test_delta_sq_after_in_a_token_mask_run_is_the_mean_over_the_tokens_the_mask_kept",
+        ),
+        "E[δ'²] divided by every valid token instead of the kept ones: masked tokens pull the figure toward zero",
+    ),
+    Mutation(
         "row_age_from_the_wrong_version",
         "trl_async/trainers/engine.py",
         'row_age_counts(self.state.global_step - fields["rollout_versions"], max_age)',
@@ -602,6 +614,17 @@ MUTATIONS = [
             "tests/test_main_module_rewards.py::test_rewards_defined_in_a_script_train_with_python_script_py",
         ),
         "a @tensor_reward function of the user's __main__ is pickled by name: the generation process cannot load it",
+    ),
+    Mutation(
+        "spawned_script_rewards_pickled_by_name",
+        "trl_async/rollout/generator.py",
+        '    is_script = getattr(script, "__name__", None) == "__mp_main__"\n',
+        "    is_script = False\n",
+        (
+            "tests/test_main_module_rewards.py::"
+            "test_rewards_defined_in_a_script_train_in_a_torch_multiprocessing_spawn_worker",
+        ),
+        "rewards of a script run as __mp_main__ (a spawned worker) go by name: the generation process cannot load them",
     ),
     Mutation(
         "infinite_reward_accepted",
@@ -714,6 +737,17 @@ MUTATIONS = [
         "    pass\n",
         ("tests/test_faults.py::test_sigkill_of_the_trainer_leaves_no_process_and_nothing_in_dev_shm",),
         "a trainer killed with SIGKILL leaves its spool in /dev/shm",
+    ),
+    Mutation(
+        "spool_janitor_in_the_trainers_process_group",
+        "trl_async/rollout/janitor.py",
+        "                start_new_session=True,\n",
+        "",
+        (
+            "tests/test_faults.py::"
+            "test_sigkill_of_the_trainers_whole_process_group_leaves_no_process_and_nothing_in_dev_shm",
+        ),
+        "the janitor stays in the trainer's process group: `kill -9 -PGID` kills it too and the spool stays in /dev/shm",
     ),
     Mutation(
         "generator_waits_for_its_dead_trainer_to_be_reaped",

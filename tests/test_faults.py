@@ -9,6 +9,7 @@ tests/scripts/faulty_run.py (its header lists the faults).
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import re
@@ -16,12 +17,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from transformers.trainer_utils import get_last_checkpoint
 
-from tests.support.faults import SCRIPT, assert_nothing_left, read
-from tests.support.trainer_utils import load_model, load_tokenizer, make_args
+from tests.support.faults import SCRIPT, assert_nothing_left, read, wait_until_gone
+from tests.support.trainer_utils import load_model, load_tokenizer, make_args, pid_is_gone
 from trl_async import AsyncGRPOTrainer
 from trl_async.toy import make_arithmetic_dataset
 from trl_async.trainers.checkpoints import (
@@ -149,6 +151,69 @@ def test_sigkill_of_the_trainer_leaves_no_process_and_nothing_in_dev_shm(tmp_pat
     test has read all of the run's output, which the generation process holds open too."""
     seen = interrupt_and_resume(tmp_path, "signal:KILL@saving:optimizer:2:gated", signal.SIGKILL)
     assert seen["saved"] == [3]
+
+
+def _process_group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that have not exited (from /proc; a zombie has exited)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+            except (OSError, ValueError):
+                continue
+            if int(group) == pgid and state not in ("Z", "X"):
+                members.append(int(entry))
+    return members
+
+
+def _read_when_written(records, name, process, guard_s=600.0):
+    """A record of the run once it is written whole, or None if the run ends (or the guard runs out) first."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            found = read(records, name)
+        except ValueError:  # being written
+            found = None
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    return None
+
+
+def test_sigkill_of_the_trainers_whole_process_group_leaves_no_process_and_nothing_in_dev_shm(tmp_path):
+    """Issue 33, guarantee 2: a signal to the trainer's whole process group (`kill -9 -PGID`, as a job runner stops a
+    job; a terminal's Ctrl-\\ sends SIGQUIT the same way) reaches every process of the group at once. The spool
+    janitor must not be one of them: it outlives the group, removes the spool in /dev/shm and exits. The run is
+    started in a session of its own, so the group is the run alone (and never this test)."""
+    records = tmp_path / "records"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, SCRIPT, "--output-dir", str(tmp_path / "out"), "--records", str(records),
+           "--max-steps", "100000", "--save-steps", "100000"]  # fmt: skip
+    with open(tmp_path / "output.txt", "w") as output:
+        run = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        # Written at the end of the first step trained on a batch of the serving generation process.
+        info = _read_when_written(records, "info.json", run)
+        assert info is not None, (run.poll(), (tmp_path / "output.txt").read_text()[-3000:])
+        pgid = os.getpgid(run.pid)
+        assert pgid == run.pid == info["trainer_pid"]
+        assert glob.glob(f"/dev/shm/trl_async-{run.pid}-*") == [info["spool"]]  # the spool exists, named by its owner
+        assert not pid_is_gone(info["janitor_pid"]) and not pid_is_gone(info["generator_pid"])
+        assert info["generator_pid"] in _process_group_members(pgid)
+        os.killpg(pgid, signal.SIGKILL)
+        assert run.wait(timeout=120) == -signal.SIGKILL
+    finally:
+        if run.poll() is None:  # a failed premise: stop the run
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    try:
+        assert wait_until_gone(_process_group_members(pgid)) == []
+        assert_nothing_left(info)  # the janitor and every other process the trainer started exited; the spool is gone
+        assert glob.glob(f"/dev/shm/trl_async-{run.pid}-*") == []
+    finally:
+        shutil.rmtree(info["spool"], ignore_errors=True)  # what a failure left behind, not /dev/shm's to keep
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.trainer_utils import WeightTracingTrainer, length_reward, load_model, make_args
+from trl_async import AsyncGRPOTrainer
 from trl_async.algorithms.importance import truncated_importance_weights
 from trl_async.algorithms.offpolicy import (
     OFFPOLICY_SUM_KEYS,
@@ -230,3 +231,102 @@ def test_m2po_sums_count_masked_and_clipped_tokens_of_the_selection():
     bound = torch.where(delta > 0, authors.clip_log_high, authors.clip_log_low).to(torch.float64)
     expected = torch.where(authors.clipped, bound, delta)[(authors.keep | authors.clipped) & valid]
     assert sums["delta_sq_kept"] == pytest.approx(float(expected.square().sum()))
+
+
+def test_delta_sq_after_is_the_mean_over_the_tokens_kept_after_masking_and_clipping():
+    """Issue 33, guarantee 1: a window whose loss really removed tokens. One batch under `token_mask`, one under
+    `token_truncate`, both with [0.5, 2]; every figure below is worked out by hand from the ratios."""
+    clip_min, clip_max = 0.5, 2.0
+    # token_mask: ratios 1.5 (kept), 4 and 1/4 (outside: weight 0), 1 (kept); the last position is padding, its δ
+    # deliberately large so that counting it would show.
+    masked_delta = torch.tensor([[math.log(1.5), math.log(4.0), math.log(0.25), 0.0, 5.0]], dtype=torch.float64)
+    masked_valid = torch.tensor([[1, 1, 1, 1, 0]])
+    # token_truncate: ratios 3 (clamped to 2), 0.8 (inside), 1/8 (clamped to 0.5); all three kept.
+    clipped_delta = torch.tensor([[math.log(3.0), math.log(0.8), math.log(0.125)]], dtype=torch.float64)
+    clipped_valid = torch.ones(1, 3, dtype=torch.long)
+    window = torch.zeros(len(OFFPOLICY_SUM_KEYS), dtype=torch.float64)
+    for mode, delta, valid in (
+        ("token_mask", masked_delta, masked_valid),
+        ("token_truncate", clipped_delta, clipped_valid),
+    ):
+        behaviour = torch.zeros_like(delta)
+        weights = truncated_importance_weights(
+            delta, behaviour, valid, mode=mode, clip_min=clip_min, clip_max=clip_max
+        )
+        window += importance_weight_sums(delta, valid, weights, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    metrics = offpolicy_metrics(window, 1.0, 1.0, 1.0, torch.zeros(2), torch.zeros(2))
+    # 7 valid tokens; 2 masked (4, 1/4); 2 clipped (3 -> 2, 1/8 -> 1/2); 5 kept, with δ' = log of the weight applied:
+    # log 1.5, log 1, log 2, log 0.8, log 0.5.
+    kept_sq = [math.log(1.5) ** 2, 0.0, math.log(2.0) ** 2, math.log(0.8) ** 2, math.log(0.5) ** 2]
+    valid_sq = [math.log(r) ** 2 for r in (1.5, 4.0, 0.25, 1.0, 3.0, 0.8, 0.125)]
+    assert metrics["offpolicy/masked_fraction"] == pytest.approx(2 / 7)
+    assert metrics["offpolicy/clipped_fraction"] == pytest.approx(2 / 7)
+    assert metrics["offpolicy/delta_sq_after"] == pytest.approx(sum(kept_sq) / 5, rel=1e-12)
+    assert metrics["offpolicy/delta_sq_before"] == pytest.approx(sum(valid_sq) / 7, rel=1e-12)
+    # The case tells the kept-token mean from the all-token one (what a wrong denominator would log).
+    assert sum(kept_sq) / 5 != pytest.approx(sum(kept_sq) / 7, rel=1e-3)
+
+
+class _KeptTokensRecomputingTrainer(AsyncGRPOTrainer):
+    """Records, per optimizer step, δ = log π_old − log μ per valid token, π_old from a plain forward of the current
+    model (not the trainer's), for recomputing what TRL's token_mask keeps."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deltas: dict[int, torch.Tensor] = {}
+
+    def _compute_loss(self, model, inputs):
+        if self.model.training and "sampling_per_token_logps" in inputs:
+            with torch.no_grad():
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+                attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+                width = inputs["completion_ids"].size(1)
+                logits = self.accelerator.unwrap_model(self.model)(input_ids=ids, attention_mask=attention).logits
+                logits = logits[:, -width - 1 : -1].float() / self.temperature
+                logps = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+            valid = inputs["completion_mask"].bool()
+            assert self.state.global_step not in self.deltas  # one batch per optimizer step
+            self.deltas[self.state.global_step] = (logps - inputs["sampling_per_token_logps"])[valid].double()
+        return super()._compute_loss(model, inputs)
+
+
+def test_delta_sq_after_in_a_token_mask_run_is_the_mean_over_the_tokens_the_mask_kept(tmp_path, dataset, tokenizer):
+    """Issue 33, guarantee 1, in a real run: rows 3 versions old under `token_mask` with tight bounds, so the loss
+    masks a good share of the tokens. `offpolicy/delta_sq_after` must be E[δ²] over the tokens whose weight stayed
+    non-zero, recomputed here from an independent forward; neither the mean over every valid token nor the kept
+    tokens' sum over every valid token."""
+    clip_min, clip_max = 0.9, 1.1
+    args = make_args(
+        tmp_path,
+        max_steps=8,
+        loss_type="dapo",
+        fixed_staleness=3,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
+    trainer = _KeptTokensRecomputingTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer.train()
+    after, masked = _logged(trainer, "offpolicy/delta_sq_after"), _logged(trainer, "offpolicy/masked_fraction")
+    ages = _logged(trainer, "offpolicy/row_age_mean")
+    assert sorted(after) == list(range(1, 9)) and sorted(trainer.deltas) == list(range(8))
+    assert max(ages.values()) == 3  # the pipeline filled: stale rows entered the loss
+    steps_with_masking = 0
+    for version, delta in trainer.deltas.items():
+        kept = (delta.exp() >= clip_min) & (delta.exp() <= clip_max)  # TRL's token_mask keeps ratios in the bounds
+        assert masked[version + 1] == pytest.approx(1.0 - kept.double().mean().item(), abs=1e-9), version
+        if kept.all():
+            continue
+        steps_with_masking += 1
+        assert kept.any(), version
+        expected = float(delta[kept].square().mean())
+        assert after[version + 1] == pytest.approx(expected, rel=1e-3, abs=1e-9), version
+        # Premise: on this step the right figure is told apart from the wrong denominators.
+        over_every_token = float(delta.square().mean())
+        kept_sum_over_every_token = float(delta[kept].square().sum() / delta.numel())
+        assert expected != pytest.approx(over_every_token, rel=1e-2)
+        assert expected != pytest.approx(kept_sum_over_every_token, rel=1e-2)
+    assert steps_with_masking >= 3, masked

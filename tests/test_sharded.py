@@ -68,9 +68,8 @@ def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "
         assert r["global_step"] == steps and r["initial_vs_final_max_diff"] > 1e-3
         assert len(r["mu_gaps"]) == steps and max(r["tagged_versions"]) >= 1
         # ... and it does: another version's weights are far from μ, the tagged version's reproduce it.
-        # (Over a long run some consecutive versions come close as the policy settles: there, most must differ.)
-        control = sorted(r["control_gaps"])
-        assert control and (control[0] if steps <= 3 else control[len(control) // 2]) > 1e-2
+        # (Judged on the first 3 steps: over a long run the policy settles and later versions come close.)
+        assert r["control_gaps"] and min(r["control_gaps"][:3]) > 1e-2
         assert max(r["mu_gaps"]) < 1e-3, r["mu_gaps"]
         # The stores hold the whole final weights under the generator's names (a plain model's).
         stores = r["store_vs_final"]

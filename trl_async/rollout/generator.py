@@ -60,7 +60,8 @@ def batch_seed(seed: int, process_index: int, stream_index: int) -> int:
 @dataclasses.dataclass
 class GeneratorSpec:
     """Everything a producer needs besides the model and the shared-memory objects. Serialized with cloudpickle, so
-    reward functions defined in the user's `__main__` travel by value."""
+    reward functions defined in the user's script travel by value, whether it runs as `__main__` or, in a spawned
+    worker, as `__mp_main__` (`_script_pickled_by_value`)."""
 
     process_index: int
     num_processes: int
@@ -486,6 +487,26 @@ def _spawn_without_main_module():
         mp_spawn.get_preparation_data = original
 
 
+@contextlib.contextmanager
+def _script_pickled_by_value():
+    """cloudpickle sends what the user's script defines by value when the script runs as `__main__`, and by reference
+    when it runs as `__mp_main__`: the name a script gets in a worker started by 'spawn' or a fork server
+    (`torch.multiprocessing.spawn`, accelerate's `notebook_launcher` where it spawns). The generation process never
+    imported the script under that name (`_spawn_without_main_module`), so a reference cannot be resolved there.
+    Registers that module for pickling by value while the block runs (unless the user registered it already)."""
+    script = sys.modules.get("__mp_main__")
+    # Where no worker re-ran a script, multiprocessing makes `__mp_main__` another name of `__main__` itself.
+    is_script = getattr(script, "__name__", None) == "__mp_main__"
+    if not is_script or "__mp_main__" in cloudpickle.list_registry_pickle_by_value():
+        yield
+        return
+    cloudpickle.register_pickle_by_value(script)
+    try:
+        yield
+    finally:
+        cloudpickle.unregister_pickle_by_value(script)
+
+
 class GenerationProcess:
     """Trainer-side handle of one generation process. `start()` returns at once; `ready` tells when it can serve."""
 
@@ -534,7 +555,8 @@ class GenerationProcess:
         return self.control.ready
 
     def start(self) -> None:
-        blob = cloudpickle.dumps(self.spec)
+        with _script_pickled_by_value():
+            blob = cloudpickle.dumps(self.spec)
         self.process = self.ctx.Process(
             target=_generator_main,
             args=(blob, self.queue, self.frozen_store, self.trainable_store, self.control, self.lending),
