@@ -48,6 +48,7 @@ _CHECK_SCRIPT = textwrap.dedent(
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    report = os.path.join(sys.argv[1], f"rank{rank}.txt")  # one file a rank: their outputs do not interleave
     assert collectives.install_if_requested()
     dist.all_reduce(torch.ones(3))  # the same call on both ranks: passes
     dist.barrier()
@@ -57,10 +58,10 @@ _CHECK_SCRIPT = textwrap.dedent(
         else:
             dist.all_reduce(torch.ones(5, dtype=torch.float64))  # rank 1's call: another shape, another line
     except CollectiveMismatchError as error:
-        print(f"RANK{rank} CAUGHT: {error}", flush=True)
+        open(report, "w").write(f"CAUGHT: {error}")
         dist.destroy_process_group()
         sys.exit(3)
-    print(f"RANK{rank} NOT CAUGHT", flush=True)
+    open(report, "w").write("NOT CAUGHT")
     dist.destroy_process_group()
     """
 )
@@ -73,19 +74,17 @@ def test_the_collective_check_names_both_ranks_calls_on_a_mismatch(tmp_path):
     script = tmp_path / "mismatch.py"
     script.write_text(_CHECK_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script)]  # fmt: skip
+               "--master_port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
-    for rank in (0, 1):
-        caught = [line for line in output.splitlines() if line.startswith(f"RANK{rank} CAUGHT")]
-        assert caught, output[-3000:]
-    assert "NOT CAUGHT" not in output
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
     lines = _CHECK_SCRIPT.splitlines()
     line_of = {shape: lines.index(next(x for x in lines if f"torch.ones({shape}, dtype" in x)) + 1 for shape in (3, 5)}
-    assert f"rank 0: all_reduce float64 (3,) at mismatch.py:{line_of[3]}" in output, output[-3000:]
-    assert f"rank 1: all_reduce float64 (5,) at mismatch.py:{line_of[5]}" in output, output[-3000:]
-    assert "after: barrier" in output  # each rank's previous call, for orientation
+    for rank in (0, 1):
+        report = (tmp_path / f"rank{rank}.txt").read_text()
+        assert report.startswith("CAUGHT: "), report
+        assert f"rank 0: all_reduce float64 (3,) at mismatch.py:{line_of[3]}" in report, report
+        assert f"rank 1: all_reduce float64 (5,) at mismatch.py:{line_of[5]}" in report, report
+        assert "after: barrier" in report  # each rank's previous call, for orientation
 
 
 def test_a_log_on_the_main_process_alone_runs_no_collective(tmp_path):

@@ -55,7 +55,7 @@ MAIN_OPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks/trl_compat/run_trl_compat.py": ("--trl-repo", "--subset", "--runs", "--reuse-stock", "--output"),
     "-m trl_async.toy.build": ("--out", "--seed", "--max-steps"),
     "-m trl_async.rollout.backends.vllm": ("--model", "--port", "--host", "--tensor_parallel_size"),
-    "-m trl_async.rollout.vllm_backend": ("--model", "--port", "--host", "--tensor_parallel_size"),
+    "-m trl_async.rollout.backends.vllm_server": ("--model", "--port", "--host", "--tensor_parallel_size"),
     "-m tests.support.hub.server": ("--port",),
 }
 # Further invocations of a discovered command: (command, arguments before --help, options the help must name).
