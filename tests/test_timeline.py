@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from trl_async.timeline import (
     FRAGMENT_DIR,
     Recorder,
     SamplingPolicy,
+    TimelineSpec,
     TimelineWriter,
     current,
     disabled,
@@ -27,6 +29,7 @@ from trl_async.timeline import (
     names,
     summarize,
     sync_limit,
+    trainer_recorder,
     write_timeline,
 )
 from trl_async.timeline.gantt import step_window
@@ -187,6 +190,24 @@ def test_disabled_recorder_records_nothing(tmp_path):
     assert start == 0 and rec.chunks() == [] and not rec.enabled
     assert list(tmp_path.iterdir()) == []
     assert write_timeline(str(tmp_path)) is None  # no fragment, no file
+
+
+def test_a_disabled_run_touches_nothing_and_the_first_step_defaults_to_the_first_one_entered(tmp_path):
+    (tmp_path / FRAGMENT_DIR).mkdir()
+    (tmp_path / FRAGMENT_DIR / "trainer-rank0.jsonl").write_text("kept\n")
+    assert trainer_recorder(str(tmp_path), 0, 1, enabled=False) is disabled()
+    assert (tmp_path / FRAGMENT_DIR / "trainer-rank0.jsonl").read_text() == "kept\n"
+    clock = HandClock()
+    rec = recorder(tmp_path, names.TRAINER, clock=clock, policy=SamplingPolicy(full_steps=2, every=10, burst=0),
+                   first_step=None)  # fmt: skip
+    for step in (500, 501, 502):  # a resumed run starting at 500 keeps 500 and 501 in full
+        clock.at(step - 499)
+        rec.set_step(step)
+    clock.at(4)
+    rec.close()
+    assert rec.first_step == 500
+    steps = [e["args"]["step"] for e in load(write_timeline(str(tmp_path)))["traceEvents"] if e.get("cat") == "step"]
+    assert steps == [None, 500, 501]
 
 
 # ------------------------------------------------------------------------------------------------------ analysis
@@ -383,15 +404,24 @@ def test_hosts_are_aligned_by_their_own_trainers_clock_and_stale_ranks_ignored(t
 
 
 def test_a_real_child_process_hands_its_spans_over(tmp_path):
-    """A spawned child records as the generation process will (its own fragment, same clock); the parent records
-    the spawn and its own batches; the merged trace places the child's spans between the parent's spawn and join."""
+    """A spawned child records as the generation process will (its own fragment, same clock, the `TimelineSpec` it
+    is handed); the parent records the spawn and its own batches; the merged trace places the child's spans between
+    the parent's spawn and join. A previous run's fragments in the folder do not leak in."""
     output_dir = str(tmp_path)
-    trainer = Recorder(names.TRAINER, 0, fragment_path=fragment_path(output_dir, names.TRAINER, 0), first_step=3)
-    trainer.set_step(3)
+    folder = tmp_path / FRAGMENT_DIR
+    folder.mkdir()
+    stale = fragment_lines(header("generator", 0, "x", 0, 0, world_size=2), {"spans": [["old", "busy", 0, 1]]})
+    (folder / "generator-rank0.jsonl").write_text(stale)  # this rank's: removed when its run starts
+    (folder / "generator-rank1.jsonl").write_text(stale.replace('"rank": 0', '"rank": 1'))  # beyond the world size
+    trainer = trainer_recorder(output_dir, rank=0, world_size=1)
+    assert sorted(os.listdir(folder)) == ["generator-rank1.jsonl"]
+    trainer.set_step(3)  # a resumed run: the policy counts from its first step
     from tests.support.timeline_child import generator_main
 
     spawn_ns = trainer.begin()
-    child = multiprocessing.get_context("spawn").Process(target=generator_main, args=(output_dir, 0, spawn_ns, 3))
+    spec = TimelineSpec(output_dir, policy=SamplingPolicy(full_steps=10), first_step=trainer.first_step,
+                        spawn_ns=spawn_ns)  # fmt: skip
+    child = multiprocessing.get_context("spawn").Process(target=generator_main, args=(pickle.dumps(spec), 0, 1))
     child.start()
     trainer.end("spawn generator", spawn_ns)
     with trainer.span(names.MAKE_BATCH):
@@ -406,6 +436,7 @@ def test_a_real_child_process_hands_its_spans_over(tmp_path):
     events = trace["traceEvents"]
     process_names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert process_names == {100: "trainer rank 0", 101: "generator rank 0"}
+    assert not [e for e in events if e["name"] == "old"]  # the previous run's fragment was removed
     described = {p["pid"]: p for p in trace["otherData"]["trl_async_timeline"]["processes"]}
     assert described[101]["os_pid"] == child.pid and described[100]["os_pid"] == os.getpid()
     spawn = next(e for e in events if e["name"] == "spawn generator")

@@ -3,31 +3,24 @@ real one will (start-up marks, a batch's spans) into its own fragment, as the in
 
 from __future__ import annotations
 
+import pickle
 import time
 
-from trl_async.timeline import Recorder, SamplingPolicy, fragment_path, names
+from trl_async.timeline import generator_recorder, names
 
 
-def generator_main(output_dir: str, rank: int, spawn_ns: int, first_step: int) -> None:
-    recorder = Recorder(
-        names.GENERATOR,
-        rank,
-        fragment_path=fragment_path(output_dir, names.GENERATOR, rank),
-        policy=SamplingPolicy(full_steps=10),
-        first_step=first_step,
-    )
-    recorder.instant(names.SPAWN, at_ns=spawn_ns)  # measured by the parent, on the same clock
+def generator_main(spec_blob: bytes, rank: int, world_size: int) -> None:
+    recorder = generator_recorder(pickle.loads(spec_blob), rank, world_size)  # marks the trainer's spawn time
     recorder.instant(names.IMPORTS_DONE)
-    recorder.add(names.STARTUP_SPAN, spawn_ns, recorder.begin(), names.STARTUP)
     recorder.instant(names.READY)
-    for version in (first_step, first_step + 1):
+    for version in (3, 4):
         recorder.set_step(version)
         start = recorder.begin()
         time.sleep(0.01)
         recorder.end(names.DECODE, start)
         with recorder.span(names.WRITE_BATCH):
             time.sleep(0.002)
-        if version == first_step:
+        if version == 3:
             recorder.instant(names.FIRST_BATCH_QUEUED)
         recorder.maybe_flush()
     recorder.close()

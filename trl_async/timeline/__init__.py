@@ -7,6 +7,9 @@ trainer that saves merges the fragments into `OUTPUT_DIR/timeline.json`, Chrome'
 (`write_timeline`; `TimelineWriter` says when, keeping merges under 0.1% of the run): Perfetto and chrome://tracing open it. No collective: files only. `SamplingPolicy` bounds the
 size (the first 200 steps whole, then 5 steps in every 100); `disabled()` records nothing.
 
+`trainer_recorder` / `generator_recorder` (with the `TimelineSpec` a trainer hands its generation process) make a
+run's recorders.
+
 Reading a run: `python -m trl_async.timeline OUTPUT_DIR`, or `summarize(path)`, `draw_gantt(path, png, steps)`,
 `ideal_overlap_ratio(path)` / `sync_limit(path)` for a synchronous run.
 """
@@ -14,6 +17,7 @@ Reading a run: `python -m trl_async.timeline OUTPUT_DIR`, or `summarize(path)`, 
 from . import names
 from .analysis import ideal_overlap_ratio, summarize, sync_limit
 from .recorder import DisabledRecorder, Recorder, SamplingPolicy, current, disabled, set_current
+from .setup import TimelineSpec, generator_recorder, trainer_recorder
 from .trace import (
     FRAGMENT_DIR,
     TIMELINE_FILE,
@@ -41,12 +45,14 @@ __all__ = [
     "DisabledRecorder",
     "Recorder",
     "SamplingPolicy",
+    "TimelineSpec",
     "TimelineWriter",
     "clear_fragments",
     "current",
     "disabled",
     "draw_gantt",
     "fragment_path",
+    "generator_recorder",
     "ideal_overlap_ratio",
     "load_trace",
     "merge_fragments",
@@ -55,5 +61,6 @@ __all__ = [
     "set_current",
     "summarize",
     "sync_limit",
+    "trainer_recorder",
     "write_timeline",
 ]

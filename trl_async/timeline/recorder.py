@@ -87,7 +87,7 @@ class Recorder:
 
     `fragment_path`: the JSON-lines file `flush` appends to (None: keep everything in memory, `chunks()`); an old
     file at that path is removed now, so a run never merges a previous run's fragment. `first_step`: the step the
-    run starts at (a resumed run's), from which `policy` counts. `cores`: the cores the process may use (its thread
+    run starts at (a resumed run's), from which `policy` counts; None: the first `set_step`'s. `cores`: the cores the process may use (its thread
     budget; default its CPU affinity), the denominator of CPU fractions. `clock`, `cpu_clock`, `unix_clock`: tests.
     """
 
@@ -101,7 +101,7 @@ class Recorder:
         world_size: int = 1,
         fragment_path: str | None = None,
         policy: SamplingPolicy | None = None,
-        first_step: int = 0,
+        first_step: int | None = 0,
         flush_interval_s: float = 30.0,
         cores: int | None = None,
         clock=time.perf_counter_ns,
@@ -188,6 +188,8 @@ class Recorder:
             self._steps.append((self._step, self._step_start, now, cpu - self._step_cpu))
             self._closed_ns = now
         self._step, self._step_start, self._step_cpu = step, now, cpu
+        if self.first_step is None:
+            self.first_step = self.header["first_step"] = step
         if self._flushed + len(self._events) >= self.policy.max_events:
             self.truncated = True
         self._keep = not (self.truncated or self.closed) and self.policy.keeps(step - self.first_step)
