@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 
+from trl_async import timeline
 from trl_async.timeline import (
     FRAGMENT_DIR,
     Recorder,
@@ -589,3 +592,65 @@ def test_the_library_imports_without_matplotlib_or_torch():
 def test_cli_help_exits_zero():
     result = run_cli("--help")
     assert result.returncode == 0 and "--steps" in result.stdout and "Perfetto" in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------- in a real run
+def _docs_style_run(tmp_path, **overrides):
+    from trl import GRPOConfig
+
+    from tests.support.trainer_utils import answer_reward
+    from trl_async import AsyncGRPOTrainer
+    from trl_async.toy import make_arithmetic_dataset, tiny_model_path
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
+                      max_completion_length=16, max_steps=40, report_to="none", bf16=False, logging_steps=10,
+                      save_strategy="no", **overrides)  # fmt: skip
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_path(), reward_funcs=answer_reward, args=args,
+        train_dataset=make_arithmetic_dataset(num_train=128, num_test=4)["train"],
+    )  # fmt: skip
+    started_unix = time.time()
+    trainer.train()
+    return args.output_dir, started_unix, time.time()
+
+
+def test_a_docs_style_run_writes_a_timeline_of_both_processes_covering_the_run(tmp_path):
+    """A plain-`GRPOConfig` script writes `OUTPUT_DIR/timeline.json`: a trace-event file with spans of the trainer and
+    of its generation process (two pids, named by role and rank), whose wall-clock extent lies within the run and
+    covers most of it, with the generator's start-up marks and the trainer's training spans."""
+    output_dir, started, ended = _docs_style_run(tmp_path)
+    trace = json.loads((pathlib.Path(output_dir) / "timeline.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"trainer rank 0", "generator rank 0"} <= names, names
+    spans = [e for e in events if e["ph"] == "X"]
+    pids = {e["pid"] for e in spans}
+    assert len(pids) >= 2
+    generator_pid = next(e["pid"] for e in events if e["ph"] == "M" and e["args"].get("name") == "generator rank 0")
+    assert {"decode", "load weights", "gate wait"} <= {e["name"] for e in spans if e["pid"] == generator_pid}
+    by_name = {e["name"] for e in spans}
+    assert {"forward + backward", "optimizer step", "score", "decode", "prefill", "rewards"} <= by_name, by_name
+    assert {e["name"] for e in events if e["ph"] == "i"} >= {"spawn", "ready", "first batch queued"}
+    assert all(e["dur"] >= 0 for e in spans)
+    # Wall-clock coverage: the trace's extent (microseconds on one axis) against the run's own wall time.
+    first, last = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
+    extent_s = (last - first) / 1e6
+    assert extent_s <= (ended - started) + 1.0
+    assert extent_s >= 0.5 * (ended - started), (extent_s, ended - started)
+    summary = timeline.summarize(output_dir)
+    assert summary["startup"] and summary["overlap"][0]["both_busy_s"] > 0
+
+
+def test_timeline_false_records_nothing(tmp_path):
+    from tests.support.trainer_utils import length_reward, load_model, load_tokenizer, make_args
+    from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl_async.toy import make_arithmetic_dataset
+
+    args = make_args(tmp_path, config_cls=AsyncGRPOConfig, max_steps=3, timeline=False)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=length_reward, args=args, processing_class=load_tokenizer(),
+        train_dataset=make_arithmetic_dataset(num_train=64, num_test=4)["train"],
+    )  # fmt: skip
+    trainer.train()
+    out = pathlib.Path(args.output_dir)
+    assert not (out / "timeline.json").exists() and not (out / "timeline-fragments").exists()

@@ -137,6 +137,7 @@ class Recorder:
         }
         # The open step: `None` until the first `set_step` (start-up), always kept.
         self._step, self._keep, self._step_start, self._step_cpu = None, True, now, cpu_clock()
+        self._last_end = 0  # see `last_end`
         self._closed_ns = 0  # when the last kept step closed: spans that began before it overlap a kept step
         self._flush_interval_ns = int(flush_interval_s * 1e9)
         self._next_flush = now + self._flush_interval_ns
@@ -148,8 +149,14 @@ class Recorder:
     # ------------------------------------------------------------------------------------------------ hot path
     def end(self, name: str, start: int, category: str = BUSY) -> None:
         """Close a span opened by `start = rec.begin()`. Kept if it overlaps a kept step."""
+        now = self._last_end = self._now()
         if self._keep or start < self._closed_ns:
-            self._events.append((name, category, start, self._now()))
+            self._events.append((name, category, start, now))
+
+    def last_end(self) -> int:
+        """When the last span closed by `end` ended (0 before any): where a span that follows it begins, for a caller
+        that did not see it close (the optimizer step after the last micro-batch's forward + backward)."""
+        return self._last_end
 
     def span(self, name: str, category: str = BUSY) -> _Span:
         """The same as a context manager (about twice the cost of `begin`/`end`)."""
@@ -251,6 +258,9 @@ class DisabledRecorder:
 
     def end(self, name, start, category=BUSY):
         pass
+
+    def last_end(self):
+        return 0
 
     def span(self, name, category=BUSY):
         return _NULL_SPAN
