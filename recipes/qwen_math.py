@@ -9,7 +9,8 @@ after.
 
 What a run leaves in `output_dir`: the model (or LoRA adapter) and tokenizer, `eval.json` (greedy accuracy on
 held-out problems before and after training, with sample size and 95% intervals), `reward_summary.json`,
-`trainer_state.json`, `reward_accuracy.png` (needs matplotlib) and the model card `README.md`.
+`trainer_state.json`, `reward_accuracy.png` and `timeline.png` (need matplotlib), `timeline.json` (where the time went:
+`python -m trl_async.timeline OUTPUT_DIR`) and the model card `README.md`.
 
 Any field of `RecipeArguments`, `AsyncGRPOConfig` (`AsyncPPOConfig` with `trainer: ppo`) or TRL's `ModelConfig` can be set in the YAML file or on the
 command line (`--learning_rate 1e-4`). Unknown YAML keys are an error that names them.
@@ -284,6 +285,21 @@ def accuracy_results(recipe, training_args, eval_name: str, before: dict, after:
     }
 
 
+def save_timeline_gantt(output_dir: str) -> str | None:
+    """`timeline.png` beside the reward plot: the Gantt chart of ten steps of the run's timeline (`trl_async.timeline`),
+    or None without a timeline (a synchronous run, `timeline=False`) or without matplotlib."""
+    from trl_async import timeline
+
+    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
+        return None
+    path = os.path.join(output_dir, "timeline.png")
+    try:
+        timeline.draw_gantt(output_dir, path)
+    except ImportError:
+        return None
+    return path
+
+
 def main(argv: list[str] | None = None):
     import torch
     from accelerate import PartialState
@@ -375,6 +391,9 @@ def main(argv: list[str] | None = None):
             path = plot_run(trainer.state.log_history, eval_results, os.path.join(output_dir, PLOT_FILE), title)
             print(f"[qwen_math] picture: {path}" if path else "[qwen_math] no picture: pip install 'trl-async[plots]' "
                   "(matplotlib) to get reward_accuracy.png", flush=True)  # fmt: skip
+            timeline_png = save_timeline_gantt(output_dir)
+            if timeline_png:
+                print(f"[qwen_math] where the time went: {timeline_png} (python -m trl_async.timeline {output_dir})")
         if summary["gain"] is None:
             print(f"[qwen_math] {summary['steps']} logged steps: too few to compare quarters ({elapsed:.0f}s)")
         else:

@@ -37,6 +37,10 @@ import cloudpickle
 import torch
 import torch.multiprocessing as torch_mp
 
+from ..timeline import current as timeline
+from ..timeline import generator_recorder, set_current
+from ..timeline import names as span
+from ..timeline.setup import TimelineSpec
 from .backends import BackendContext, GenerationOutput, ModelSpec, make_backend
 from .cores import GENERATOR, CoreLending
 from .payload import RolloutPayload
@@ -87,6 +91,7 @@ class GeneratorSpec:
     parent_pid: int
     stream_offset: int = 0  # position of queue item 0 in the prompt stream (a resumed run starts later)
     inflight_weight_updates: bool = False  # load newer weights between decoding steps (`_produce_inflight`)
+    timeline: TimelineSpec | None = None  # where this process records its timeline (None: `timeline=False`)
     columns: list[str] | None = None  # dataset columns to keep (None: all)
     backend_options: dict = dataclasses.field(default_factory=dict)
 
@@ -166,17 +171,20 @@ class RolloutProducer:
         columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         callables = [f for f in spec.reward_funcs if f is not None]
         t0 = time.perf_counter()
+        recorder, prepared = timeline(), timeline().begin()
         # Gold answers not prepared at start-up are prepared now, before sampling: the tokenizer never runs at reward
         # time (a no-op for rows already prepared).
         prepare_rewards(callables, columns)
         prompt_ids = [list(p) for p in self._tokenize(prompts)]
         check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
         seed = batch_seed(spec.seed, spec.process_index, stream_index)
+        recorder.end(span.TOKENIZE, prepared)
         generated: GenerationOutput = (
             self.generate(prompt_ids, seed) if ready is None else self.generate(prompt_ids, seed, ready)
         )
         completion_ids, logprobs = generated.to_lists()
         t1 = time.perf_counter()
+        scoring = recorder.begin()
         decode = _DecodeOnce(lambda: self._decode(prompt_ids, completion_ids, conversational))
         extra_logs: dict[str, list] = defaultdict(list)
         logged_metrics: dict[str, list] = defaultdict(list)
@@ -201,6 +209,7 @@ class RolloutProducer:
         if spec.decode:
             decode()
         t2 = time.perf_counter()
+        recorder.end(span.REWARDS, scoring)
         return RolloutPayload(
             rows=rows,
             stream_index=stream_index,
@@ -355,12 +364,17 @@ def _wait_for_weights(trainable_store, min_version: int, beat_or_stop, on_idle) 
 def _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
     """One batch, gated before it starts: weights recent enough for the queue's bound, loaded, then the whole batch
     sampled with them (its version)."""
+    recorder = timeline()
+    waited = recorder.begin()
     index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle)
     _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)
+    recorder.end(span.GATE_WAIT, waited, span.WAIT)
     version = backend.update_weights()
+    recorder.set_step(version)  # this batch is generated with the weights of step `version`
     rollout_queue.mark_loaded(index)
     payload = producer.produce(index)
-    rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
+    with recorder.span(span.WRITE_BATCH):
+        rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
 
 
 def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
@@ -368,15 +382,21 @@ def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or
     and its rewards prepared meanwhile), gated before the model first runs on it (the oldest token defines the
     batch's staleness), then decoded on the newest published weights, which the backend loads between decoding
     steps."""
+    recorder = timeline()
+    waited = recorder.begin()
     index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle, wait_for_weights=False)
+    recorder.end(span.GATE_WAIT, waited, span.WAIT)
 
     def ready():
+        waited = recorder.begin()
         _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)
-        backend.update_weights()
+        recorder.end(span.GATE_WAIT, waited, span.WAIT)
+        recorder.set_step(backend.update_weights())
 
     payload = producer.produce(index, ready=ready)
     version = payload.oldest_version
-    rollout_queue.put(index, backend.version if version is None else version, payload, num_rows=payload.num_rows)
+    with recorder.span(span.WRITE_BATCH):
+        rollout_queue.put(index, backend.version if version is None else version, payload, num_rows=payload.num_rows)
 
 
 def _generator_main(
@@ -390,6 +410,9 @@ def _generator_main(
         spec: GeneratorSpec = cloudpickle.loads(spec_blob)
         _die_with_parent(spec.parent_pid)
         torch.set_num_threads(spec.num_threads)
+        recorder = generator_recorder(spec.timeline, spec.process_index, spec.num_processes, cores=spec.num_threads)
+        set_current(recorder)  # the backend and the producer record into it
+        recorder.instant(span.IMPORTS_DONE)
 
         def beat_or_stop():
             control.beat()
@@ -404,6 +427,7 @@ def _generator_main(
         )
         backend = make_backend(spec.backend, context, **spec.backend_options)
         backend.load()
+        recorder.instant(span.MODEL_BUILT)
         on_idle = None
         if lending is not None and isinstance(getattr(backend, "model", None), torch.nn.Module):
             lending.attach(backend.model, GENERATOR)  # every decoding step re-reads the trainer's flag
@@ -413,11 +437,17 @@ def _generator_main(
         producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
         control.beat()
         control.set_ready()
+        recorder.instant(span.READY)
+        if spec.timeline is not None and spec.timeline.spawn_ns is not None:
+            recorder.add(span.STARTUP_SPAN, spec.timeline.spawn_ns, recorder.begin(), span.STARTUP)
+        produce = _produce_inflight if spec.inflight_weight_updates else _produce_gated
+        first = True
         while not control.stop_requested:
-            if spec.inflight_weight_updates:
-                _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
-            else:
-                _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
+            produce(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
+            if first:
+                recorder.instant(span.FIRST_BATCH_QUEUED)
+                first = False
+            recorder.maybe_flush()
             control.beat()
     except QueueClosed:
         pass
@@ -428,6 +458,8 @@ def _generator_main(
         if backend is not None:
             with contextlib.suppress(Exception):
                 backend.close()
+        with contextlib.suppress(Exception):
+            timeline().close()  # this process's spans to its fragment (the trainer merges them)
     # Exit without the interpreter's finalization: tearing down torch and transformers takes about a second that the
     # trainer would spend waiting in `close()` at the end of `train()`. Everything the child owns that must be released
     # was released above; the queue's spool and the weight stores belong to the trainer.
@@ -555,8 +587,13 @@ class GenerationProcess:
         return self.control.ready
 
     def start(self) -> None:
+        spec = self.spec
+        if spec.timeline is not None:  # the start-up's first mark, on the clock both processes share
+            spec = dataclasses.replace(
+                spec, timeline=dataclasses.replace(spec.timeline, spawn_ns=time.perf_counter_ns())
+            )
         with _script_pickled_by_value():
-            blob = cloudpickle.dumps(self.spec)
+            blob = cloudpickle.dumps(spec)
         self.process = self.ctx.Process(
             target=_generator_main,
             args=(blob, self.queue, self.frozen_store, self.trainable_store, self.control, self.lending),

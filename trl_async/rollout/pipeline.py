@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..timeline import current as timeline
+from ..timeline import names as span
 from .backends import generate_with_behaviour_logprobs, generation_config_for_rollouts
 from .cores import TRAINER, CoreLending
 from .gather import clean_parameter_name, full_placeholders, iter_full_parameters, model_sharding
@@ -266,16 +268,19 @@ class RolloutPipeline:
                 logger.info("trl_async: generator (pid %s) ready after %.1fs; it starts at batch %d",
                             self.process.pid, time.time() - self.process.started_at, self._next_index + 1)  # fmt: skip
             elif self.queue.is_open:
+                waited = timeline().begin()
                 item = self.queue.get(
                     last_use_version,
                     on_wait=self.check_health,
                     agree=self._agree,  # evicts (and counts) stale items itself, agreeing with the other ranks
                     on_idle=None if self._lending is None else functools.partial(self._lending.set_waiting, TRAINER),
                 )
+                timeline().end(span.WAIT_FOR_BATCH, waited, span.WAIT)
                 batch = RolloutBatch(item.payload, item.version, item.staleness, from_trainer=False)
                 self._next_index = item.index + 1
                 break
-            batch = self._produce_locally(last_use_version, model, current_version)
+            with timeline().span(span.MAKE_BATCH):
+                batch = self._produce_locally(last_use_version, model, current_version)
             staleness = self._agree(batch.staleness)
             self._next_index += 1
             if staleness <= self.settings.max_staleness:
@@ -325,17 +330,20 @@ class RolloutPipeline:
             return 0.0
         if self.settings.fixed_staleness:
             # Nothing newer than what the next batch must be generated with, until the generator has loaded it.
+            waited = timeline().begin()
             self.queue.wait_for_loads(
                 version,
                 on_wait=self.check_health,
                 on_idle=None if self._lending is None else functools.partial(self._lending.set_waiting, TRAINER),
             )  # counted in async/trainer_wait_s
-        started = time.perf_counter()
+            timeline().end(span.WAIT_FOR_LOADS, waited, span.WAIT)
+        started = time.perf_counter_ns()
         trainable = dict(publishable_parameters(model)[1])
         self.trainable_store.publish(iter_full_parameters([(n, trainable[n]) for n in self._trainable_names]), version)
         self._write_trainer_state(trainer_state)
         self.queue.publish(version)
-        return time.perf_counter() - started
+        timeline().end(span.PUBLISH_WEIGHTS, started)
+        return (time.perf_counter_ns() - started) / 1e9
 
     def _write_trainer_state(self, trainer_state) -> None:
         """A snapshot for reward functions' `trainer_state` (without `log_history`, which grows with the run)."""

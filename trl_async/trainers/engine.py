@@ -53,6 +53,8 @@ from ..rollout.pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
 from ..rollout.prompts import is_iterable_dataset
 from ..rollout.termination import exit_on_sigterm
 from ..schedule import micro_steps_per_generation, versions_until_last_use
+from ..timeline import TimelineWriter, disabled, set_current, trainer_recorder
+from ..timeline import names as span
 from . import checkpoints, collectives, forward
 from .batch import rollout_fields, rollout_view
 from .checkpoints import (
@@ -132,6 +134,25 @@ class _ReduceStatistics(TrainerCallback):
             trainer._reduce_statistics("train")
 
 
+class _TimelineSteps(TrainerCallback):
+    """The timeline's step boundaries (`trl_async.timeline`): a step opens when Trainer starts one, and its optimizer
+    step is the time from the last micro-batch's forward + backward to the step's end (clipping, `optimizer.step`,
+    the scheduler, `zero_grad`). First among the trainers' callbacks: weights are published after it."""
+
+    def __init__(self, trainer: AsyncRolloutMixin):
+        self._trainer = weakref.ref(trainer)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._timeline.set_step(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._timeline.end(span.OPTIMIZER_STEP, trainer._timeline.last_end())
+
+
 class _RolloutTicks(torch.utils.data.Dataset):
     """What the training dataloader iterates in async mode: one placeholder per dataset row, so that TRL's sampler,
     lengths, epochs and resume skipping work unchanged while the rows themselves come from the rollout component."""
@@ -189,6 +210,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         super().__init__(*bound.args[1:], **bound.kwargs)
         check_inputs_after_init(self)
         self._hook_slot: HookSlot | None = None
+        self._timeline = disabled()  # this process's recorder while `train` runs (`trl_async.timeline`)
+        self.add_callback(_TimelineSteps(self))
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
         layout = StatisticsLayout(self._statistics_fields())
         self._statistics = {mode: WindowStatistics(layout, self.accelerator.device) for mode in ("train", "eval")}
@@ -268,7 +291,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         * `resume_from_checkpoint=True` picks the newest *complete* checkpoint, where transformers' `get_last_checkpoint`
           would pick the newest folder, and a path to a partial one is refused (`trl_async.trainers.checkpoints`); the
           checkpoint is checked against this run (`checkpoints.check_resume`);
-        * the generation process is stopped on return, exception, Ctrl-C or SIGTERM (`rollout.termination`)."""
+        * the generation process is stopped on return, exception, Ctrl-C or SIGTERM (`rollout.termination`);
+        * the run's timeline is recorded and written to `OUTPUT_DIR/timeline.json` (`timeline=True`, the default)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -276,11 +300,38 @@ class AsyncRolloutMixin(ModelCardMixin):
         elif isinstance(resume_from_checkpoint, str):
             check_resumable(resume_from_checkpoint)
         with exit_on_sigterm(f"the trainer of rank {self.accelerator.process_index}"):
+            self._start_timeline()
             try:
                 check_resume(self, resume_from_checkpoint)
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             finally:
-                self.close_rollout()
+                self.close_rollout()  # its generation process flushes its timeline as it stops
+                self._finish_timeline()
+
+    def _start_timeline(self) -> None:
+        """This rank's recorder for the run (`trl_async.timeline`; the disabled one with `timeline=False`), and on the
+        process that saves, the writer that merges every process's fragments into `timeline.json`."""
+        args = self.args
+        self._timeline = trainer_recorder(
+            args.output_dir,
+            self.accelerator.process_index,
+            self.accelerator.num_processes,
+            enabled=bool(async_field(args, "timeline")),
+            cores=torch.get_num_threads(),
+        )
+        set_current(self._timeline)  # the rollout pipeline and the queue record into it
+        self._timeline_writer = (
+            TimelineWriter(args.output_dir) if args.should_save and self._timeline.enabled else None
+        )
+
+    def _finish_timeline(self) -> None:
+        """On every exit of `train`: this rank's spans to its fragment, and the merged `timeline.json`. A timeline that
+        cannot be written never hides the run's own outcome."""
+        with contextlib.suppress(OSError):
+            self._timeline.close()
+            if self._timeline_writer is not None:
+                self._timeline_writer.write()
+        set_current(None)
 
     @contextlib.contextmanager
     def _hand_off(self, **inputs):
@@ -345,7 +396,7 @@ class AsyncRolloutMixin(ModelCardMixin):
         Every rollout batch gets the same fields (`trainers.batch.RolloutFields`), whether the trainer made it at
         start-up or the generation process did, so that what follows never depends on where a rank's batch came from."""
         batch = self._next_rollout_batch() if self._async_training() else None
-        with self._hand_off(batch=batch) as slot:
+        with self._timeline.span(span.SCORE), self._hand_off(batch=batch) as slot:
             output = super()._generate_and_score_completions(inputs if batch is None else batch.payload.rows)
         if batch is not None:
             output.update(rollout_fields(batch, output["completion_ids"]))
@@ -356,8 +407,12 @@ class AsyncRolloutMixin(ModelCardMixin):
         text reward, a reward model or completion logging needs them) by the generation process. TRL's
         completion-length metrics are logged the same way. Otherwise it is TRL's."""
         slot = self._slot()
-        if slot is None or slot.batch is None:
-            return super()._generate(prompts)
+        if slot is None or slot.batch is None:  # TRL generates (a synchronous run, evaluation): timed as generation
+            begun = self._timeline.begin_cpu()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self._timeline.end_cpu(span.GENERATE, begun)
         payload = slot.batch.payload
         completions = payload.completions
         if completions is None:  # not decoded: nothing reads them (no text reward, no completion logging)
@@ -382,7 +437,9 @@ class AsyncRolloutMixin(ModelCardMixin):
         it in the hook slot (PPO's scores)."""
         slot = self._slot()
         if slot is None or slot.batch is None:
+            begun = self._timeline.begin_cpu()
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self._timeline.end_cpu(span.REWARDS, begun)
         else:
             rewards = self._rollout_rewards(slot.batch, inputs, prompts, completions, completion_ids_list)
         if slot is not None:
@@ -467,6 +524,14 @@ class AsyncRolloutMixin(ModelCardMixin):
         so the correction against μ (`trainers.correction`) is applied to it now, in place."""
         corrected = apply_to_trl_batch(batch, self._behaviour_correction(batch, old_logps), self.loss_type)
         batch.update(corrected)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """`GRPOTrainer.training_step`, timed: its forward + backward is the time from the end of the last span inside
+        it (TRL's scoring, when this micro-step made the batch) to its end."""
+        start = self._timeline.begin()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._timeline.end(span.FORWARD_BACKWARD, max(start, self._timeline.last_end()))
+        return loss
 
     # --------------------------------------------------------------------------------------------- the correction
     def _correction_settings(self, mode: str = "train") -> CorrectionSettings:
@@ -574,6 +639,10 @@ class AsyncRolloutMixin(ModelCardMixin):
           first file, complete once every rank wrote its files, and older checkpoints rotated away (Trainer's
           `save_total_limit`, held back during Trainer's save, which rotates at its end) only then;
         * a write that fails (a full disk, a read-only folder) raises `CheckpointSaveError` naming the folder."""
+        with self._timeline.span(span.SAVE_CHECKPOINT):
+            self._write_checkpoint(model, trial)
+
+    def _write_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         limit = self.args.save_total_limit
@@ -636,11 +705,18 @@ class AsyncRolloutMixin(ModelCardMixin):
         (TRL averages the values appended during the window; a mean of per-batch fractions or maxima would not mean
         what the names say). No communication: the totals were reduced where every rank passes (`_ReduceStatistics`,
         `evaluation_loop`), so a `log` on one rank alone is as safe as TRL's."""
+        started = self._timeline.begin()
         mode = "train" if self.model.training else "eval"
         totals = self._statistics[mode].take()
         if totals is not None:
             self._log_statistics(mode, totals)
         super().log(logs, start_time)
+        self._timeline.end(span.LOG, started)
+        self._timeline.maybe_flush()
+        writer = self.__dict__.get("_timeline_writer")
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                writer.maybe_write()  # now and then (`TimelineWriter`): a killed run still leaves a timeline
 
     def _log_statistics(self, mode: str, totals: dict[str, torch.Tensor]) -> None:
         """The window's totals over every rank -> metrics in `self._metrics[mode]`, and the row-age histogram to the

@@ -15,6 +15,7 @@ from ..rewards import is_tensor_reward
 from ..rollout import GeneratorSpec, ModelSpec
 from ..rollout.placement import Placement, choose_placement, rank_cores
 from ..rollout.prompts import is_iterable_dataset
+from ..timeline import TimelineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,17 @@ def generator_spec(trainer, where: Placement) -> GeneratorSpec:
         parent_pid=os.getpid(),
         columns=_kept_columns(trainer),
         inflight_weight_updates=bool(args.inflight_weight_updates),
+        timeline=timeline_spec(trainer),
     )
+
+
+def timeline_spec(trainer) -> TimelineSpec | None:
+    """Where and how the generation process records its timeline (None with `timeline=False`): the trainer's output
+    folder, sampling policy and first step, so both processes of a rank keep the same steps."""
+    recorder = trainer._timeline
+    if not recorder.enabled:
+        return None
+    return TimelineSpec(trainer.args.output_dir, policy=recorder.policy, first_step=recorder.first_step)
 
 
 def _kept_columns(trainer) -> list[str] | None:

@@ -15,7 +15,28 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ...timeline import current as timeline
+from ...timeline import names as span
 from .base import BackendContext, GenerationBackend, GenerationOutput, first_eos_mask
+
+
+class _PrefillThenDecode:
+    """The timeline's split of one `generate` call (`trl_async.timeline`): the prefill runs until the first scores
+    reach the logits processors (the prompts' forward is done), the decode from there to the end."""
+
+    __slots__ = ("_recorder", "_start", "_decoding")
+
+    def __init__(self):
+        self._recorder = timeline()
+        self._start, self._decoding = self._recorder.begin(), False
+
+    def scores_seen(self) -> None:
+        if not self._decoding:
+            self._recorder.end(span.PREFILL, self._start)
+            self._start, self._decoding = self._recorder.begin(), True
+
+    def finish(self) -> None:
+        self._recorder.end(span.DECODE if self._decoding else span.PREFILL, self._start)
 
 
 class _SampledTokenLogprobs(LogitsProcessor):
@@ -40,6 +61,7 @@ class _SampledTokenLogprobs(LogitsProcessor):
         # Set (by `_recording_behaviour_logprobs`) when another recorder sees exactly the scores this one would.
         self.same_as: _SampledTokenLogprobs | None = None
         self.result: torch.Tensor | None = None  # set by `finish`; read by a recorder that is `same_as` this one
+        self.phases: _PrefillThenDecode | None = None  # the timeline's prefill / decode split (the sampler's recorder)
 
     def _record_previous(self, sampled: torch.Tensor) -> None:
         if self._scores is not None and self._scores.size(0) == sampled.size(0):  # else beam search: see `finish`
@@ -47,6 +69,8 @@ class _SampledTokenLogprobs(LogitsProcessor):
             self.steps.append((picked - self._log_normalizer).float())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.phases is not None:
+            self.phases.scores_seen()
         if self._scores is not None:
             self._record_previous(input_ids[:, -1])
         self._scores = scores / self.temperature if self.temperature != 1.0 else scores
@@ -249,12 +273,14 @@ def generate_with_behaviour_logprobs(
     with rng, _recording_behaviour_logprobs(model, recorder, policy_recorder):
         if ready is not None:  # before the prefill too: every key/value comes from weights at least this recent
             ready()
+        recorder.phases = _PrefillThenDecode()  # the first scores mark the end of the prefill
         prefilled = _shared_prompt_cache(model, input_ids, attention_mask, generation_config) or {}
         if seed is not None:
             torch.manual_seed(seed)
         sequences = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **prefilled
         )
+        recorder.phases.finish()
     completion_ids = sequences[:, width:]
     mask = first_eos_mask(completion_ids, eos_token_ids)
     completion_ids = completion_ids.masked_fill(~mask, pad_token_id)
@@ -307,7 +333,8 @@ class HFBackend(GenerationBackend):
 
     def update_weights(self) -> int:
         if self.trainable_store.version != self.version:
-            self.version = self.trainable_store.read_into(self._params)
+            with timeline().span(span.LOAD_WEIGHTS):
+                self.version = self.trainable_store.read_into(self._params)
         return self.version
 
     def generate(self, prompt_ids: list[list[int]], seed: int | None = None, ready=None) -> GenerationOutput:
