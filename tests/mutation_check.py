@@ -486,9 +486,10 @@ MUTATIONS = [
         "inflight_batch_not_gated",
         "trl_async/rollout/generator.py",
         """    def ready():
+        waited = recorder.begin()
         _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)""",
         """    def ready():
-        pass""",
+        waited = recorder.begin()""",
         (
             "tests/test_inflight.py::test_a_generator_ahead_of_the_trainer_waits_for_recent_weights_before_a_batch_starts",
         ),

@@ -33,7 +33,6 @@ import weakref
 
 import torch
 from accelerate.utils import gather, gather_object
-from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import logger as trl_logger
@@ -76,6 +75,7 @@ from .correction import (
     behaviour_correction,
     m2po_correction,
 )
+from .loop import EndlessRolloutTicks, PublishWeights, ReduceStatistics, RolloutTicks, TimelineSteps
 from .rollout_spec import generator_spec, placement
 from .statistics import (
     Field,
@@ -104,77 +104,6 @@ class HookSlot:
     # is that call's own policy forward, which TRL runs before it reads the advantages (`trl_contract.CALL_ORDER`):
     # the forward override corrects this dict against μ in between (`_correct_at_forward`), once per call.
     correct_at_forward: dict | None = None
-
-
-class _PublishWeights(TrainerCallback):
-    """Publishes the policy to the generation process after each optimizer step (every `weight_sync_steps`)."""
-
-    def __init__(self, trainer: AsyncRolloutMixin):
-        self._trainer = weakref.ref(trainer)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None and trainer._rollout_started():
-            seconds = trainer._rollout.publish(trainer._unwrap(trainer.model), state.global_step, state)
-            if seconds:
-                trainer._metrics["train"]["async/weight_sync_s"].append(seconds)
-
-
-class _ReduceStatistics(TrainerCallback):
-    """Reduces the trainers' figures over the ranks at the end of every optimizer step at which Trainer logs (or stops
-    training): a point every rank passes, unlike `log`, which users may call on one rank (`trainers.statistics`).
-    Added after transformers' `DefaultFlowCallback`, which decides `should_log` in its own `on_step_end`."""
-
-    def __init__(self, trainer: AsyncRolloutMixin):
-        self._trainer = weakref.ref(trainer)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None and (control.should_log or control.should_training_stop):
-            trainer._reduce_statistics("train")
-
-
-class _TimelineSteps(TrainerCallback):
-    """The timeline's step boundaries (`trl_async.timeline`): a step opens when Trainer starts one, and its optimizer
-    step is the time from the last micro-batch's forward + backward to the step's end (clipping, `optimizer.step`,
-    the scheduler, `zero_grad`). First among the trainers' callbacks: weights are published after it."""
-
-    def __init__(self, trainer: AsyncRolloutMixin):
-        self._trainer = weakref.ref(trainer)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None:
-            trainer._timeline.set_step(state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        trainer = self._trainer()
-        if trainer is not None:
-            trainer._timeline.end(span.OPTIMIZER_STEP, trainer._timeline.last_end())
-
-
-class _RolloutTicks(torch.utils.data.Dataset):
-    """What the training dataloader iterates in async mode: one placeholder per dataset row, so that TRL's sampler,
-    lengths, epochs and resume skipping work unchanged while the rows themselves come from the rollout component."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        return {"prompt": index}
-
-
-class _EndlessRolloutTicks(torch.utils.data.IterableDataset):
-    """The same for an iterable train dataset: ticks without end (TRL then needs `max_steps`, as for any iterable)."""
-
-    def __iter__(self):
-        index = 0
-        while True:
-            yield {"prompt": index}
-            index += 1
 
 
 class AsyncRolloutMixin(ModelCardMixin):
@@ -211,17 +140,17 @@ class AsyncRolloutMixin(ModelCardMixin):
         check_inputs_after_init(self)
         self._hook_slot: HookSlot | None = None
         self._timeline = disabled()  # this process's recorder while `train` runs (`trl_async.timeline`)
-        self.add_callback(_TimelineSteps(self))
+        self.add_callback(TimelineSteps(self))
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
         layout = StatisticsLayout(self._statistics_fields())
         self._statistics = {mode: WindowStatistics(layout, self.accelerator.device) for mode in ("train", "eval")}
-        self.add_callback(_ReduceStatistics(self))
+        self.add_callback(ReduceStatistics(self))
         self._rollout = RolloutPipeline(
             self._rollout_settings(),
             all_reduce_max=self._all_reduce_max if self.accelerator.num_processes > 1 else None,
         )
         if self.args.async_generation:
-            self.add_callback(_PublishWeights(self))
+            self.add_callback(PublishWeights(self))
             if self.args.generation_backend == "vllm":
                 self._check_vllm_backend()
 
@@ -354,9 +283,7 @@ class AsyncRolloutMixin(ModelCardMixin):
         if not async_field(self.args, "async_generation"):
             return super().get_train_dataloader()
         ticks = (
-            _EndlessRolloutTicks()
-            if is_iterable_dataset(self.train_dataset)
-            else _RolloutTicks(len(self.train_dataset))
+            EndlessRolloutTicks() if is_iterable_dataset(self.train_dataset) else RolloutTicks(len(self.train_dataset))
         )
         return self._get_dataloader(
             dataset=ticks,
