@@ -251,9 +251,6 @@ def test_reward_callables_get_trainer_state_log_extra_and_log_metric(tmp_path, d
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
     [
-        (dict(tools=[len]), "tools"),
-        (dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
-        (dict(environment_factory=lambda: None), "environment_factory"),
         (dict(quantization_config=object()), "quantized"),
     ],
 )

@@ -3,7 +3,9 @@
 TRL ships a minor release every few weeks, and its private methods change between them; TRL itself removed GFPO, PAPO
 and DPPO because their overrides drifted silently. The trainers override a few of TRL's methods (`HOOKS`), read one
 tuple layout (`GENERATE_FIELDS`), rely on two call orders (`CALL_ORDER`) and on when TRL computes π_old at batch time
-(`computes_old_logps`). `tests/test_trl_contract.py` checks each
+(`computes_old_logps`). With tools, environments or a rollout function, the generation process runs TRL's multi-turn
+methods on a host object that provides what they read of `self` (`TOOL_LOOP_HOST_ATTRIBUTES`, `TOOL_LOOP_FIELDS`),
+and the trainers read what TRL's `__init__` set up for them (`AGENTIC_TRAINER_ATTRIBUTES`). `tests/test_trl_contract.py` checks each
 of these against the installed TRL, so an upgrade that changes one fails that test, naming what changed, instead of
 failing silently in training. `check_hooks()` runs the signature part when a trainer class is first built and warns.
 """
@@ -56,7 +58,69 @@ HOOKS = {
     ),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    # TRL's multi-turn code, which the generation process runs as functions on `rollout.agentic.ToolLoopHost`
+    # (`_generate` above is one of them), and the two the host replaces.
+    "_tokenize_prompts": ("self", "prompts"),
+    "_tool_call_loop": (
+        "self",
+        "prompts",
+        "prompt_ids",
+        "completion_ids",
+        "completions",
+        "logprobs",
+        "images",
+        "multimodal_fields",
+    ),
+    "_get_tool_suffix_ids": ("self", "tool_messages"),
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
 }
+
+# What TRL's multi-turn methods read of `self`, per method (`ast` over their source). `rollout.agentic.ToolLoopHost`
+# provides each of them in the generation process; `host_attribute_mismatches` names any TRL starts or stops reading.
+TOOL_LOOP_HOST_ATTRIBUTES = {
+    "_generate": (
+        "_batch_environments", "_env_tools", "_generate_single_turn", "_last_loaded_step", "_metrics",
+        "_tokenize_prompts", "_tokenizer", "_tool_call_loop", "accelerator", "environment_factories", "eos_token_ids",
+        "model", "num_generations", "num_generations_eval", "processing_class", "rollout_func", "state", "tools",
+        "use_vllm", "vllm_generation",
+    ),
+    "_tokenize_prompts": (
+        "_batch_environments", "_env_tools", "_is_vlm", "chat_template", "chat_template_kwargs",
+        "environment_factories", "processing_class", "tools",
+    ),
+    "_tool_call_loop": (
+        "_async_tool_dicts", "_batch_environments", "_env_tools", "_generate_single_turn", "_get_tool_suffix_ids",
+        "_is_vlm", "_sync_tool_dicts", "_tokenizer", "async_loop", "environment_factories", "max_completion_length",
+        "max_tool_calling_iterations", "model", "processing_class", "tools", "use_vllm", "vllm_generation", "vllm_mode",
+    ),
+    "_get_tool_suffix_ids": ("_is_vlm", "_tokenizer", "chat_template", "chat_template_kwargs", "processing_class"),
+}  # fmt: skip
+
+# The 7-tuple `GRPOTrainer._tool_call_loop` returns, in order.
+TOOL_LOOP_FIELDS = (
+    "tool_mask",
+    "completions",
+    "completion_ids",
+    "logprobs",
+    "tool_call_count",
+    "tool_failure_count",
+    "tool_images",
+)
+
+# What the trainers read of a `GRPOTrainer` that `__init__` gave tools, environments or a rollout function
+# (`trainers.rollout_spec.agentic_spec`, `trainers.agentic`); `environment_factories` and `environments` are also
+# set to None for the length of TRL's scoring of a rollout batch (`environments_left_to_the_rollouts`).
+AGENTIC_TRAINER_ATTRIBUTES = (
+    "_standalone_tools",
+    "environment_factories",
+    "_multi_environment",
+    "environments",
+    "rollout_func",
+    "tools",
+    "max_tool_calling_iterations",
+    "max_completion_length",
+    "_metrics",
+)
 
 # The call orders the one hand-off slot (`engine.HookSlot`) relies on, checked by running TRL's own methods.
 CALL_ORDER = {
@@ -89,6 +153,45 @@ def generate_fields(result: tuple) -> dict:
     if len(result) != len(GENERATE_FIELDS):
         raise TypeError(f"GRPOTrainer._generate returned {len(result)} values; trl_async expects {GENERATE_FIELDS}")
     return dict(zip(GENERATE_FIELDS, result, strict=True))
+
+
+def tool_loop_fields(result: tuple) -> dict:
+    """The fields of a `GRPOTrainer._tool_call_loop` result, by name."""
+    if len(result) != len(TOOL_LOOP_FIELDS):
+        raise TypeError(
+            f"GRPOTrainer._tool_call_loop returned {len(result)} values; trl_async expects {TOOL_LOOP_FIELDS}"
+        )
+    return dict(zip(TOOL_LOOP_FIELDS, result, strict=True))
+
+
+def self_attribute_reads(function) -> set[str]:
+    """The attributes a method reads or writes on `self` (`self.<name>`), from its source."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+    }
+
+
+def host_attribute_mismatches(trainer_class) -> list[str]:
+    """TRL's multi-turn methods whose `self.<name>` reads differ from `TOOL_LOOP_HOST_ATTRIBUTES`, by name."""
+    mismatches = []
+    for method, expected in TOOL_LOOP_HOST_ATTRIBUTES.items():
+        function = getattr(trainer_class, method, None)
+        if function is None:
+            mismatches.append(f"{method}: missing")
+            continue
+        reads = self_attribute_reads(function)
+        new, gone = sorted(reads - set(expected)), sorted(set(expected) - reads)
+        if new:
+            mismatches.append(f"{method} now reads self.{', self.'.join(new)}")
+        if gone:
+            mismatches.append(f"{method} no longer reads self.{', self.'.join(gone)}")
+    return mismatches
 
 
 def hook_mismatches(trainer_class) -> list[str]:

@@ -141,6 +141,16 @@ class AsyncGRPOConfig(GRPOConfig):
             "initial weights. Needs weight_sync_steps=1 and a derived queue_capacity. None (default): off.",
         },
     )
+    tool_timeout: float | None = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds a single tool call, environment factory call or environment `reset` may take in the "
+            "generation process (tools=, environment_factory=; docs/agentic.md). One that has not returned by then "
+            "ends the run with an error naming it (a hung call cannot be interrupted: the generation process stops, "
+            "and nothing is left running). A tool that raises is TRL's case, not this one: the model gets TRL's error "
+            "result and the call counts in tools/failure_frequency. None: no limit."
+        },
+    )
     generator_startup_timeout: float = field(
         default=600.0,
         metadata={"help": "Seconds to wait for the generation process to load its model and report ready."},
@@ -298,6 +308,12 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)
         _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")
+    tool_timeout = args.tool_timeout
+    _check(
+        tool_timeout is None
+        or (isinstance(tool_timeout, (int, float)) and not isinstance(tool_timeout, bool) and tool_timeout > 0),
+        f"tool_timeout must be None (no limit) or a positive number of seconds, got {tool_timeout!r}.",
+    )
     _check(
         isinstance(args.inflight_weight_updates, bool),
         f"inflight_weight_updates must be True or False, got {args.inflight_weight_updates!r}.",

@@ -257,13 +257,14 @@ def dataset_columns(dataset: Any) -> list[str] | None:
     return list(names) if isinstance(names, (list, tuple)) else None
 
 
-def check_train_dataset(dataset: Any, args) -> None:
+def check_train_dataset(dataset: Any, args, prompt_required: bool = True) -> None:
     """The dataset has a 'prompt' column, enough prompts for one generation batch, and (for up to `UPFRONT_ROWS`
-    rows) usable prompt values."""
+    rows) usable prompt values. With an `environment_factory` the prompt is optional, as in TRL: the environment's
+    `reset` supplies it."""
     if dataset is None:
         return
     columns = dataset_columns(dataset)
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and "prompt" not in columns and prompt_required:
         candidates = [c for c in columns if c in ("question", "problem", "query", "input", "instruction", "text")]
         rename = f" (e.g. `dataset.rename_column({candidates[0]!r}, 'prompt')`)" if candidates else ""
         raise ValueError(
@@ -321,15 +322,19 @@ def check_prompt_lengths(tokenize, dataset: Any, context: int | None, max_comple
 
 # ------------------------------------------------------------------------------------------------------- checkpoints
 # ------------------------------------------------------------------------------------------------------- entry points
-def check_inputs_before_init(args, model: Any, reward_funcs: Any, train_dataset: Any) -> None:
-    """What `AsyncGRPOTrainer.__init__` checks before `GRPOTrainer.__init__` loads anything."""
+def check_inputs_before_init(
+    args, model: Any, reward_funcs: Any, train_dataset: Any, environment_factory: Any = None, rollout_func: Any = None
+) -> None:
+    """What `AsyncGRPOTrainer.__init__` checks before `GRPOTrainer.__init__` loads anything. A `rollout_func`'s
+    extra fields reach the reward functions too (TRL merges them into the rows), so with one the reward functions'
+    columns cannot be judged from the dataset's."""
     check_sampling_settings(args)
     if getattr(args, "async_generation", True):
         check_generation_device(getattr(args, "generation_device", None))
         check_vllm_installed(args)
     check_model_id(model, args)
-    check_train_dataset(train_dataset, args)
-    check_reward_funcs(reward_funcs, args, dataset_columns(train_dataset))
+    check_train_dataset(train_dataset, args, prompt_required=environment_factory is None)
+    check_reward_funcs(reward_funcs, args, None if rollout_func is not None else dataset_columns(train_dataset))
 
 
 def check_inputs_after_init(trainer) -> None:

@@ -72,12 +72,17 @@ def check_async_supported(
             "use_vllm=True: TRL's vLLM generation would run in the training process; asynchronous generation has "
             "its own generation process"
         )
-    if tools:
-        reasons.append("tools= (tool calling interleaves generation with tool execution)")
-    if environment_factory is not None:
-        reasons.append("environment_factory= (environments interleave generation with environment steps)")
-    if rollout_func is not None:
-        reasons.append("rollout_func= (a custom rollout replaces the generation that runs in the generation process)")
+    agentic = agentic_arguments(tools, environment_factory, rollout_func)
+    if agentic and getattr(args, "inflight_weight_updates", False):
+        reasons.append(
+            f"inflight_weight_updates=True with {agentic}: TRL's tool loop samples a batch's turns in several calls, "
+            "and per-token weight versions are not tracked across them yet (set inflight_weight_updates=False)"
+        )
+    if agentic and getattr(args, "generation_backend", "hf") == "vllm":
+        reasons.append(
+            f"the vLLM backend (generation_backend='vllm' or use_vllm=True) with {agentic}: multi-turn generation is "
+            "implemented for generation_backend='hf' only so far (set generation_backend='hf')"
+        )
     from transformers import ProcessorMixin
 
     config = _model_config(model, args)
@@ -95,6 +100,26 @@ def check_async_supported(
             "Asynchronous generation (AsyncGRPOTrainer's default) does not support: "
             + "; ".join(reasons)
             + f". To train with these, {ASYNC_OFF}."
+        )
+
+
+AGENTIC_ARGUMENTS = ("tools", "environment_factory", "rollout_func")  # `GRPOTrainer.__init__`'s, in this order
+
+
+def agentic_arguments(tools=None, environment_factory=None, rollout_func=None) -> str:
+    """The agentic arguments given, as a user writes them ('tools=, rollout_func='), or '' when none is."""
+    given = [("tools", bool(tools)), ("environment_factory", environment_factory is not None),
+             ("rollout_func", rollout_func is not None)]  # fmt: skip
+    return ", ".join(f"{name}=" for name, used in given if used)
+
+
+def check_agentic_trainer(trainer_name: str, tools=None, environment_factory=None, rollout_func=None) -> None:
+    """`AsyncPPOTrainer` refuses tools, environments and rollout functions, whatever `async_generation` says."""
+    agentic = agentic_arguments(tools, environment_factory, rollout_func)
+    if agentic:
+        raise ValueError(
+            f"{trainer_name} does not support {agentic} yet: tool and environment turns make the loss mask of a "
+            "completion non-contiguous, which GAE here does not handle. Use AsyncGRPOTrainer for agentic training."
         )
 
 

@@ -1,13 +1,8 @@
 """The generation process: a real OS process per training rank, started, placed and stopped by the trainer.
 
-`RolloutProducer` makes one generation batch: it takes that batch's rows from the prompt stream, tokenizes the prompts
-as TRL does, samples completions with behaviour log-probs, scores them with the reward callables (tensor-native ones
-on the ids, without decoding; text ones after one decode) and returns the payload the trainer consumes. The generation
-process runs it in a loop (`_generator_main`); the trainer runs the very same code on its own model for the first
-batches of a run, while the generation process is still starting (see `trl_async.rollout.pipeline`).
-
-The generation process is seeded per batch from (`seed`, its process index, the batch's position in the stream), as
-TRL seeds ranks: a batch is a function of the weights, the prompts and that seed, wherever it is generated.
+Child side (`_generator_main`): builds its backend (its own copy of the policy, whose weights come through shared
+memory) and a `RolloutProducer` (`rollout.producer`: one generation batch, from the prompt stream to the payload), then
+makes batches in a loop, each gated by the queue's staleness bound (`_produce_gated`, `_produce_inflight`).
 
 Trainer side (`GenerationProcess`): starts the child without re-running the user's `__main__` (so scripts without an
 `if __name__ == "__main__"` guard still work), and checks its health: a traceback it reported, an exit (SIGKILL
@@ -21,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import multiprocessing
 import multiprocessing.spawn as mp_spawn
 import os
@@ -30,8 +24,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import defaultdict
-from typing import Any
 
 import cloudpickle
 import torch
@@ -40,11 +32,9 @@ import torch.multiprocessing as torch_mp
 from ..timeline import current as timeline
 from ..timeline import generator_recorder, set_current
 from ..timeline import names as span
-from ..timeline.setup import TimelineSpec
-from .backends import BackendContext, GenerationOutput, ModelSpec, make_backend
+from .backends import BackendContext, make_backend
 from .cores import GENERATOR, CoreLending
-from .payload import RolloutPayload
-from .prompts import STREAM_SETTINGS, PromptStream, check_prompt_ids, check_prompt_values, context_length
+from .producer import GeneratorSpec, RolloutProducer, batch_seed, is_conversational_prompt
 from .queue import QueueClosed, StalenessBoundedQueue
 from .weights import SharedWeightStore
 
@@ -55,187 +45,9 @@ class GeneratorError(RuntimeError):
     """The generation process failed; the message carries its traceback or exit status."""
 
 
-def batch_seed(seed: int, process_index: int, stream_index: int) -> int:
-    """The sampling seed of one generation batch: distinct per rank and per batch, reproducible from `seed`."""
-    digest = hashlib.blake2b(f"{seed}/{process_index}/{stream_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@dataclasses.dataclass
-class GeneratorSpec:
-    """Everything a producer needs besides the model and the shared-memory objects. Serialized with cloudpickle, so
-    reward functions defined in the user's script travel by value, whether it runs as `__main__` or, in a spawned
-    worker, as `__mp_main__` (`_script_pickled_by_value`)."""
-
-    process_index: int
-    num_processes: int
-    device: str
-    num_threads: int
-    backend: str
-    model_spec: ModelSpec
-    generation_config: Any
-    temperature: float
-    eos_token_ids: list[int]
-    pad_token_id: int
-    processing_class: Any
-    chat_template: str | None
-    chat_template_kwargs: dict
-    dataset: Any
-    num_generations: int
-    generation_batch_size: int
-    shuffle: bool
-    seed: int
-    reward_funcs: list  # reward callables; `None` where the trainer scores the function (reward models)
-    reward_func_names: list[str]
-    decode: bool  # decode even when no text reward needs it (completion logging, reward models)
-    parent_pid: int
-    stream_offset: int = 0  # position of queue item 0 in the prompt stream (a resumed run starts later)
-    inflight_weight_updates: bool = False  # load newer weights between decoding steps (`_produce_inflight`)
-    timeline: TimelineSpec | None = None  # where this process records its timeline (None: `timeline=False`)
-    columns: list[str] | None = None  # dataset columns to keep (None: all)
-    backend_options: dict = dataclasses.field(default_factory=dict)
-
-
-def is_conversational_prompt(prompt) -> bool:
-    """`trl.data_utils.is_conversational({"prompt": prompt})` (a list of messages with roles), without importing TRL
-    in the generation process; `tests/test_prompts.py` checks that both agree."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
-class RolloutProducer:
-    """Makes generation batches: prompts from the stream → completions, μ, rewards (the child and the trainer)."""
-
-    def __init__(self, spec: GeneratorSpec, generate, trainer_state=None):
-        self.spec = spec
-        self.generate = generate  # (prompt_ids, seed) -> GenerationOutput
-        self.tokenizer = spec.processing_class
-        self.trainer_state = trainer_state  # () -> TrainerState snapshot or None
-        self.stream = PromptStream(spec.dataset, **{name: getattr(spec, name) for name in STREAM_SETTINGS})
-
-    def _tokenize(self, prompts: list) -> list[list[int]]:
-        # TRL's `GRPOTrainer._tokenize_prompts`, text-only path (no tools: tools are refused with async generation).
-        if is_conversational_prompt(prompts[0]):
-            return list(
-                self.tokenizer.apply_chat_template(
-                    conversation=prompts,
-                    chat_template=self.spec.chat_template,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                    **self.spec.chat_template_kwargs,
-                )["input_ids"]
-            )
-        return list(self.tokenizer(text=prompts)["input_ids"])
-
-    def _decode(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], conversational: bool) -> list:
-        # TRL's `GRPOTrainer._generate` decoding: `parse_response` where the tokenizer defines a response format.
-        if conversational:
-            if getattr(self.tokenizer, "response_template", None) is not None or (
-                getattr(self.tokenizer, "response_schema", None) is not None
-            ):
-                from trl.chat_template_utils import parse_response
-
-                return [
-                    [parse_response(self.tokenizer, ids, prefix=prompt_ids[i], tools=None)]
-                    for i, ids in enumerate(completion_ids)
-                ]
-            texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            return [[{"role": "assistant", "content": text}] for text in texts]
-        return self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-
-    def prepare_rewards_for_dataset(self, max_rows: int = 50_000) -> None:
-        """Prepare the tensor-native rewards' tokenizer-dependent tables (gold answers' token spellings) for the whole
-        dataset at start-up, so that no tokenizer runs at reward time; datasets that are large or iterable are
-        prepared batch by batch instead (see `produce`)."""
-        import datasets
-
-        from trl_async.rewards import prepare_rewards
-
-        dataset = self.spec.dataset
-        if isinstance(dataset, datasets.Dataset) and len(dataset) <= max_rows:
-            names = [c for c in dataset.column_names if c not in ("prompt", "completion", "completion_ids")]
-            if names:
-                prepare_rewards([f for f in self.spec.reward_funcs if f is not None], {c: dataset[c] for c in names})
-
-    def produce(self, queue_index: int, ready=None) -> RolloutPayload:
-        """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`). `ready()`, if
-        given, runs once the batch is prepared, before its first token is sampled (`GenerationBackend.generate`)."""
-        from trl_async.rewards import prepare_rewards, score_completions
-
-        spec = self.spec
-        stream_index = spec.stream_offset + queue_index
-        rows = self.stream.rows(stream_index)
-        prompts = [row["prompt"] for row in rows]
-        check_prompt_values(prompts, first_row=None)
-        conversational = is_conversational_prompt(prompts[0])
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        callables = [f for f in spec.reward_funcs if f is not None]
-        t0 = time.perf_counter()
-        recorder, prepared = timeline(), timeline().begin()
-        # Gold answers not prepared at start-up are prepared now, before sampling: the tokenizer never runs at reward
-        # time (a no-op for rows already prepared).
-        prepare_rewards(callables, columns)
-        prompt_ids = [list(p) for p in self._tokenize(prompts)]
-        check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
-        seed = batch_seed(spec.seed, spec.process_index, stream_index)
-        recorder.end(span.TOKENIZE, prepared)
-        generated: GenerationOutput = (
-            self.generate(prompt_ids, seed) if ready is None else self.generate(prompt_ids, seed, ready)
-        )
-        completion_ids, logprobs = generated.to_lists()
-        t1 = time.perf_counter()
-        scoring = recorder.begin()
-        decode = _DecodeOnce(lambda: self._decode(prompt_ids, completion_ids, conversational))
-        extra_logs: dict[str, list] = defaultdict(list)
-        logged_metrics: dict[str, list] = defaultdict(list)
-        rewards = torch.full((len(rows), len(spec.reward_funcs)), float("nan"))
-        if callables:
-            scored = score_completions(
-                callables,
-                generated.completion_ids,
-                generated.completion_mask,
-                columns,
-                prompts=prompts,
-                decode=decode,
-                reward_func_names=[n for f, n in zip(spec.reward_funcs, spec.reward_func_names, strict=True) if f],
-                extra_kwargs={
-                    "trainer_state": self.trainer_state() if self.trainer_state is not None else None,
-                    "log_extra": lambda column, values: extra_logs[column].extend(values),
-                    "log_metric": lambda name, value: logged_metrics[name].append(value),
-                },
-            ).cpu()
-            positions = [i for i, f in enumerate(spec.reward_funcs) if f is not None]
-            rewards[:, positions] = scored
-        if spec.decode:
-            decode()
-        t2 = time.perf_counter()
-        recorder.end(span.REWARDS, scoring)
-        return RolloutPayload(
-            rows=rows,
-            stream_index=stream_index,
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-            logprobs=logprobs,
-            rewards_per_func=rewards,
-            completions=decode.result,
-            extra_logs=dict(extra_logs),
-            logged_metrics=dict(logged_metrics),
-            generate_s=t1 - t0,
-            reward_s=t2 - t1,
-            token_versions=generated.token_version_lists(),
-        )
-
-
-class _DecodeOnce:
-    """Decodes a batch on first call only; text rewards share the result, tensor rewards never trigger it."""
-
-    def __init__(self, decode):
-        self._decode, self.result = decode, None
-
-    def __call__(self):
-        if self.result is None:
-            self.result = self._decode()
-        return self.result
+# Defined with the producer (`rollout.producer`); importable from here as before.
+__all__ = ["GenerationProcess", "GeneratorError", "GeneratorSpec", "RolloutProducer", "batch_seed",
+           "is_conversational_prompt", "warm_up_generator_start"]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------ control
@@ -399,10 +211,23 @@ def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or
         rollout_queue.put(index, backend.version if version is None else version, payload, num_rows=payload.num_rows)
 
 
+def _stop_on_late_call(control: _Control, message: str) -> None:
+    """A tool or environment call ran past `tool_timeout` (`agentic.CallWatchdog`, on its watch thread): report it as
+    the error the trainer raises, then end this process, which ends the call (a hung call cannot be interrupted)."""
+    from .agentic import ToolTimeoutError
+
+    control.report_error(f"{ToolTimeoutError.__name__}: {message}\n(the call was still running: no traceback)")
+    with contextlib.suppress(Exception):
+        timeline().close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _generator_main(
     spec_blob: bytes, rollout_queue, frozen_store, trainable_store, control: _Control, lending: CoreLending | None
 ) -> None:
-    backend = None
+    backend = producer = None
     exit_code = 0
     try:
         for name in _DISTRIBUTED_ENV:  # the child is not a member of the trainer's process group
@@ -433,7 +258,13 @@ def _generator_main(
             lending.attach(backend.model, GENERATOR)  # every decoding step re-reads the trainer's flag
             on_idle = functools.partial(lending.set_waiting, GENERATOR)
         state_path = os.path.join(rollout_queue.spool_dir, "trainer_state.json")
-        producer = RolloutProducer(spec, backend.generate, trainer_state=_trainer_state_reader(state_path))
+        producer = RolloutProducer(
+            spec,
+            backend.generate,
+            trainer_state=_trainer_state_reader(state_path),
+            heartbeat=control.beat,
+            on_late=functools.partial(_stop_on_late_call, control),
+        )
         producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
         control.beat()
         control.set_ready()
@@ -455,6 +286,9 @@ def _generator_main(
         control.report_error(error_report(error))
         exit_code = 1
     finally:
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close()
         if backend is not None:
             with contextlib.suppress(Exception):
                 backend.close()
@@ -487,7 +321,11 @@ def default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def warm_up_generator_start(start_method: str | None = None) -> None:
+# What an agentic run's generation process imports besides (TRL's multi-turn code, `rollout.agentic`): about 4.5 s.
+AGENTIC_PRELOAD_MODULES = ("trl.trainer.grpo_trainer", "trl_async.rollout.agentic")
+
+
+def warm_up_generator_start(start_method: str | None = None, agentic: bool = False) -> None:
     """Start the fork server now, with `PRELOAD_MODULES` imported in it, so that the generation process, forked from
     it later (at the first training batch), starts with its imports done: its cold start drops from seconds to the
     model build. Called when the trainer is constructed, where the trainer's own set-up leaves a core idle. A clean
@@ -496,7 +334,7 @@ def warm_up_generator_start(start_method: str | None = None) -> None:
         return
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload(list(PRELOAD_MODULES))
+    forkserver.set_forkserver_preload(list(PRELOAD_MODULES) + (list(AGENTIC_PRELOAD_MODULES) if agentic else []))
     forkserver.ensure_running()
 
 

@@ -9,6 +9,7 @@ pickles the same wherever it was made.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -30,6 +31,16 @@ class RolloutPayload:
     # Per completion token, the weights version that sampled it (in-flight weight updates change it mid-sequence);
     # the batch's oldest token defines its version and staleness. None where the backend does not record it.
     token_versions: list[list[int]] | None = None
+    # Tools, environments, `rollout_func` (`rollout.agentic`; the defaults for other runs). Per completion token, 1 for
+    # a token the model sampled, 0 for a tool's or environment's tokens (TRL's `tool_mask`; μ is 0.0 there, as TRL
+    # writes it); None in runs without them. Every batch of an agentic run carries one, all ones where no tool ran.
+    tool_mask: list[list[int]] | None = None
+    tool_call_count: int = 0  # TRL's batch totals of `_tool_call_loop`: tool calls, and those that failed
+    tool_failure_count: int = 0
+    # A `rollout_func`'s keys besides TRL's required three (and `env_mask`, which became `tool_mask`): merged into the
+    # rows for the reward functions, as TRL merges them.
+    extra_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool_s: float = 0.0  # seconds spent in tool calls and environment calls (factory, reset); not in `generate_s`
 
     @property
     def oldest_version(self) -> int | None:

@@ -58,6 +58,7 @@ ASYNC_WINDOW_KEYS = (
     "trainer_wait_s",
     "generate_s",
     "reward_s",
+    "tool_s",
     "queue_size",
     "lending_calls",
     "lent_calls",
@@ -375,6 +376,7 @@ class RolloutPipeline:
             "evicted_rows": 0,
             "generate_s": 0.0,
             "reward_s": 0.0,
+            "tool_s": 0.0,
         }
 
     def _record(self, batch: RolloutBatch) -> None:
@@ -387,6 +389,7 @@ class RolloutPipeline:
         window["staleness_max"] = max(window["staleness_max"], batch.staleness)
         window["generate_s"] += batch.payload.generate_s
         window["reward_s"] += batch.payload.reward_s
+        window["tool_s"] += batch.payload.tool_s
 
     def window_metrics(self) -> dict[str, float]:
         """This rank's `async/*` figures since the previous call (the logging window), as sums and maxima."""
@@ -414,6 +417,7 @@ class RolloutPipeline:
             "trainer_wait_s": delta.get("trainer_wait_s", 0.0),
             "generate_s": window["generate_s"],
             "reward_s": window["reward_s"],
+            "tool_s": window["tool_s"],
             "queue_size": self.queue.qsize() if self.queue is not None else 0,
             "lending_calls": lending_calls,
             "lent_calls": lent_calls,

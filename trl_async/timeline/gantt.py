@@ -14,7 +14,7 @@ DEFAULT_STEPS = 10
 # tab20's light shades. Waits are red/grey and hatched. Names not listed take the colours left, in name order.
 BUSY_ORDER = (n.FORWARD_BACKWARD, n.OPTIMIZER_STEP, n.SCORE, n.PUBLISH_WEIGHTS, n.MAKE_BATCH, n.DECODE, n.PREFILL,
               n.REWARDS, n.WRITE_BATCH, n.LOAD_WEIGHTS, n.TOKENIZE, n.STARTUP_SPAN, n.GENERATE, n.TRAIN, n.LOG,
-              n.SAVE_CHECKPOINT)  # fmt: skip
+              n.SAVE_CHECKPOINT, n.TOOLS)  # fmt: skip
 WAIT_ORDER = (n.WAIT_FOR_BATCH, n.GATE_WAIT, n.WAIT_FOR_LOADS)
 
 

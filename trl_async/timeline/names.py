@@ -29,6 +29,7 @@ TOKENIZE = "tokenize"  # the batch's prompts drawn, tokenized, rewards prepared
 PREFILL = "prefill"
 DECODE = "decode"
 REWARDS = "rewards"
+TOOLS = "tools"  # tool calls and environment calls (factory, reset) of agentic runs (`rollout.agentic`)
 WRITE_BATCH = "write batch"  # pickling the payload into the queue's spool
 LOAD_WEIGHTS = "load weights"
 STARTUP_SPAN = "start-up"  # spawn -> ready, category `startup`
@@ -48,7 +49,7 @@ STARTUP_MARKS = (SPAWN, IMPORTS_DONE, MODEL_BUILT, READY, FIRST_BATCH_QUEUED)
 # What moves to the generation process in an asynchronous run, and what stays in the trainer: the two sides of the
 # limit computed from a synchronous run (`analysis.sync_limit`). Nested spans are counted once (interval unions), and
 # training time excludes any generation span inside it (TRL's scoring call contains the sampling in a synchronous run).
-GENERATION_NAMES = (GENERATE, MAKE_BATCH, TOKENIZE, PREFILL, DECODE, REWARDS)
+GENERATION_NAMES = (GENERATE, MAKE_BATCH, TOKENIZE, PREFILL, DECODE, REWARDS, TOOLS)
 TRAINING_NAMES = (TRAIN, SCORE, FORWARD_BACKWARD, OPTIMIZER_STEP)
 
 # Roles, in the order their rows appear in a trace.

@@ -23,8 +23,9 @@ that RL has headroom: raising the share of well-formed tool calls raises the acc
   answer in ``answer``, scored by `trl_async.rewards.math_answer_text_reward` (it reads the assistant messages only,
   so a copied tool response earns nothing unless the model writes it after ``####``).
 * `tool_rollouts`, `tool_accuracy`: multi-turn generation with the tool calls executed by TRL 1.16's own
-  `GRPOTrainer._tool_call_loop` (token ids concatenated: prompt + completion + tool suffix, as TRL trains on them), and
-  the task's evaluation on it.
+  `GRPOTrainer._generate` and `_tool_call_loop` (token ids concatenated: prompt + completion + tool suffix, as TRL
+  trains on them), run on the generation process's host (`trl_async.rollout.agentic.ToolLoopHost`), and the task's
+  evaluation on it.
 """
 
 from __future__ import annotations
@@ -132,66 +133,29 @@ def make_multiplication_dataset(
     )
 
 
-class _ToolLoopHost:
-    """What TRL 1.16's `GRPOTrainer._tool_call_loop` and `_get_tool_suffix_ids` read of the trainer, for a text-only
-    model generating with transformers' `generate`: they run here as TRL's own code, not a copy, so that the toy's
-    rollouts have the ids, masks, truncation and counts TRL trains on. An attribute TRL starts reading in a later
-    release fails by name (`__getattr__`)."""
+def _host(tokenizer, model=None, tools=(), max_completion_length=64, max_tool_calling_iterations=None, sampling=None):
+    """TRL 1.16's multi-turn code on `rollout.agentic.ToolLoopHost` (the generation process's host), generating with
+    transformers' `generate` (no log-probs: the toy evaluates, it does not train on these)."""
+    from ..rollout.agentic import ToolLoopHost
 
-    _tool_call_loop = None  # TRL's functions, bound on first use (importing TRL is slow)
-    _get_tool_suffix_ids = None
+    def generate_turn(prompt_ids):
+        return _generate_ids(model, tokenizer, prompt_ids, max_completion_length, **(sampling or {})), None
 
-    def __init__(
-        self,
+    return ToolLoopHost(
         tokenizer,
-        model=None,
-        tools=(),
-        max_completion_length=64,
-        max_tool_calling_iterations=None,
-        sampling=None,
-    ):
-        import sys
-
-        _bind_trl_methods()
-        self.processing_class = self._tokenizer = tokenizer
-        self.model = model
-        self.tools = list(tools)
-        self.environment_factories = None
-        self._is_vlm = False
-        self.use_vllm, self.vllm_mode, self.vllm_generation = False, None, None
-        self.chat_template, self.chat_template_kwargs = None, {}
-        self.max_completion_length = max_completion_length
-        self.max_tool_calling_iterations = max_tool_calling_iterations or sys.maxsize
-        self.async_loop = None  # no coroutine tools here
-        self._sync_tool_dicts: list[dict] = []
-        self._async_tool_dicts: list[dict] = []
-        self._sampling = sampling or {}
-
-    def __getattr__(self, name):
-        raise AttributeError(
-            f"TRL's tool loop read trainer.{name}, which trl_async.toy.tools' host does not provide (written for TRL "
-            "1.16's GRPOTrainer._tool_call_loop)"
-        )
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # TRL's regular `generate` path, one completion per row (no log-probs, as there)
-        ids = _generate_ids(self.model, self._tokenizer, prompt_ids, self.max_completion_length, **self._sampling)
-        return ids, None
-
-
-def _bind_trl_methods() -> None:
-    if _ToolLoopHost._tool_call_loop is None:
-        from trl import GRPOTrainer
-
-        _ToolLoopHost._tool_call_loop = GRPOTrainer._tool_call_loop
-        _ToolLoopHost._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids
+        generate_turn,
+        model_config=getattr(model, "config", None),
+        tools=tools,
+        max_completion_length=max_completion_length,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+    )
 
 
 def tool_suffix_ids(processing_class, tool_messages: list[dict]) -> list[int]:
     """The token ids that follow a completion ending in a tool call: the tool responses and the next assistant header,
     computed by TRL's own `GRPOTrainer._get_tool_suffix_ids` (a dummy tool-call conversation rendered with and without
     `tool_messages`, the first cut after its last EOS)."""
-    return list(_ToolLoopHost(processing_class)._get_tool_suffix_ids(tool_messages))
+    return list(_host(processing_class)._get_tool_suffix_ids(tool_messages))
 
 
 def _generate_ids(model, tokenizer, sequences, max_new_tokens, do_sample=False, temperature=1.0, batch_size=128):
@@ -237,46 +201,37 @@ def tool_rollouts(
     batch_size: int = 128,
 ) -> dict:
     """Multi-turn completions of conversational `prompts` with the tool calls executed: TRL 1.16's own
-    `GRPOTrainer._tool_call_loop` (parse, run the tools, append the tool suffix ids, sample again, drop a round that
-    would not fit in `max_completion_length` or the model's context), run on `_ToolLoopHost`, after TRL's first turn
-    (the prompts rendered with the tools, sampled, parsed with `parse_response`). Sampling, when asked for, is pure
+    `GRPOTrainer._generate` and `_tool_call_loop` (the prompts rendered with the tools, sampled, parsed with
+    `parse_response`; then the tools run, the tool suffix ids appended, sampled again, a round dropped that would not
+    fit in `max_completion_length` or the model's context), run on the generation process's host
+    (`trl_async.rollout.agentic.ToolLoopHost`). Sampling, when asked for, is pure
     temperature sampling (``top_k=0``, ``top_p=1``), like RL rollouts.
 
     Returns ``completions`` (TRL's conversational completions: lists of messages), ``completion_ids``, ``tool_mask``
     (1 for sampled tokens, 0 for tool-result tokens), per row ``tool_calls`` and ``tool_failures`` (the tool messages
     and those reporting an error), and TRL's batch totals ``tool_call_count`` and ``tool_failure_count``.
     """
-    import copy
-
     import torch
-    from trl.chat_template_utils import parse_response
+
+    from ..trl_contract import generate_fields
 
     if seed is not None:
         torch.manual_seed(seed)
     prompts, tools = list(prompts), list(tools)  # a dataset column is not a list of conversations to transformers
     sampling = dict(do_sample=do_sample, temperature=temperature, batch_size=batch_size)
-    host = _ToolLoopHost(tokenizer, model, tools, max_completion_length, max_tool_calling_iterations, sampling)
+    host = _host(tokenizer, model, tools, max_completion_length, max_tool_calling_iterations, sampling)
     tools_by_name = {tool.__name__: tool for tool in tools}
     host._sync_tool_dicts = [dict(tools_by_name) for _ in prompts]
     host._async_tool_dicts = [{} for _ in prompts]
     was_training = model.training
     model.eval()
     try:
-        prompt_ids = [
-            list(ids)
-            for ids in tokenizer.apply_chat_template(
-                prompts, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        ]
-        completion_ids, _ = host._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        completions = [
-            [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools)] for i, ids in enumerate(completion_ids)
-        ]
-        tool_mask, completions, completion_ids, _, call_count, failure_count, _ = host._tool_call_loop(
-            copy.deepcopy(prompts), prompt_ids, completion_ids, completions, None, None, {}
-        )
+        fields = generate_fields(host.run(prompts))
     finally:
         model.train(was_training)
+    completions, completion_ids = fields["completions"], fields["completion_ids"]
+    tool_mask = fields["tool_mask"] if fields["tool_mask"] is not None else [[1] * len(c) for c in completion_ids]
+    call_count, failure_count = host.tool_call_count, host.tool_failure_count
     tool_messages = [[m for m in c if m["role"] == "tool"] for c in completions]
     return dict(
         completions=completions,

@@ -45,7 +45,7 @@ from ..algorithms.offpolicy import (
 )
 from ..config import async_field
 from ..config.inputs import check_inputs_after_init, check_inputs_before_init
-from ..config.refusals import check_async_supported
+from ..config.refusals import AGENTIC_ARGUMENTS, agentic_arguments, check_async_supported
 from ..hub import ModelCardMixin
 from ..rollout.generator import warm_up_generator_start
 from ..rollout.pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
@@ -55,6 +55,12 @@ from ..schedule import micro_steps_per_generation, versions_until_last_use
 from ..timeline import TimelineWriter, disabled, set_current, trainer_recorder
 from ..timeline import names as span
 from . import checkpoints, collectives, forward
+from .agentic import (
+    check_environment_routing,
+    environments_left_to_the_rollouts,
+    log_tool_metrics,
+    model_token_counts,
+)
 from .batch import rollout_fields, rollout_view
 from .checkpoints import (
     ROLLOUT_STATE_FILE,
@@ -76,7 +82,7 @@ from .correction import (
     m2po_correction,
 )
 from .loop import EndlessRolloutTicks, PublishWeights, ReduceStatistics, RolloutTicks, TimelineSteps
-from .rollout_spec import generator_spec, placement
+from .rollout_spec import generator_spec, placement, uses_agentic_rollouts
 from .statistics import (
     Field,
     StatisticsLayout,
@@ -118,8 +124,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         bound = trl_contract.bind_init(model, reward_funcs, args, *positional, **kwargs)
         args = self._prepare_args(bound)
         bound.arguments["args"] = args
+        given = bound.arguments
         if args.async_generation:
-            given = bound.arguments
             check_async_supported(
                 args,
                 model,
@@ -130,10 +136,11 @@ class AsyncRolloutMixin(ModelCardMixin):
                 environment_factory=given.get("environment_factory"),
             )
         check_inputs_before_init(
-            args, model, bound.arguments.get("reward_funcs"), bound.arguments.get("train_dataset")
+            args, model, *(given.get(name) for name in ("reward_funcs", "train_dataset", *AGENTIC_ARGUMENTS[1:]))
         )
         if args.async_generation and args.generation_backend == "hf":
-            warm_up_generator_start()  # the generation process's imports, while TRL builds the trainer
+            # The generation process's imports, while TRL builds the trainer (and TRL's, for its multi-turn code).
+            warm_up_generator_start(agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))))
         # Wrappers (DDP, compiled modules) -> the bare model (`_unwrap`); weak: a re-prepared model drops its wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
@@ -172,7 +179,9 @@ class AsyncRolloutMixin(ModelCardMixin):
             micro_steps_per_version=args.gradient_accumulation_steps,
             queue_capacity=args.queue_capacity,
             weight_sync_steps=args.weight_sync_steps,
-            trainer_generates_while_starting=args.trainer_generates_while_starting,
+            # Tools and environments run in the generation process only: a hung call ends only with the process that
+            # runs it, which must not be the trainer's (docs/agentic.md).
+            trainer_generates_while_starting=args.trainer_generates_while_starting and not uses_agentic_rollouts(self),
             startup_timeout=args.generator_startup_timeout,
             heartbeat_timeout=args.generator_heartbeat_timeout,
             fixed_staleness=args.fixed_staleness is not None,
@@ -301,6 +310,7 @@ class AsyncRolloutMixin(ModelCardMixin):
     def _next_rollout_batch(self) -> RolloutBatch:
         """The next generation batch fresh enough on every rank (the generation process starts at the first one)."""
         if not self._rollout.started:
+            check_environment_routing(self)
             where = placement(self)
             self._rollout.start(
                 generator_spec(self, where),
@@ -323,7 +333,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         Every rollout batch gets the same fields (`trainers.batch.RolloutFields`), whether the trainer made it at
         start-up or the generation process did, so that what follows never depends on where a rank's batch came from."""
         batch = self._next_rollout_batch() if self._async_training() else None
-        with self._timeline.span(span.SCORE), self._hand_off(batch=batch) as slot:
+        environments = contextlib.nullcontext() if batch is None else environments_left_to_the_rollouts(self)
+        with self._timeline.span(span.SCORE), self._hand_off(batch=batch) as slot, environments:
             output = super()._generate_and_score_completions(inputs if batch is None else batch.payload.rows)
         if batch is not None:
             output.update(rollout_fields(batch, output["completion_ids"]))
@@ -331,8 +342,10 @@ class AsyncRolloutMixin(ModelCardMixin):
 
     def _generate(self, prompts: list):
         """Replaces `GRPOTrainer._generate` for a rollout batch: its completions were sampled (and decoded only if a
-        text reward, a reward model or completion logging needs them) by the generation process. TRL's
-        completion-length metrics are logged the same way. Otherwise it is TRL's."""
+        text reward, a reward model or completion logging needs them) by the generation process, with TRL's multi-turn
+        code where there are tools, environments or a rollout function (their `tool_mask` and `extra_fields` go to TRL
+        as its `_generate` returns them). TRL's completion-length and `tools/*` metrics are logged the same way.
+        Otherwise it is TRL's."""
         slot = self._slot()
         if slot is None or slot.batch is None:  # TRL generates (a synchronous run, evaluation): timed as generation
             begun = self._timeline.begin_cpu()
@@ -344,14 +357,15 @@ class AsyncRolloutMixin(ModelCardMixin):
         completions = payload.completions
         if completions is None:  # not decoded: nothing reads them (no text reward, no completion logging)
             completions = [""] * len(payload.completion_ids)
-        self._log_completion_lengths(payload.prompt_ids, payload.completion_ids)
+        self._log_completion_lengths(payload)
+        log_tool_metrics(self, payload)
         return trl_contract.generate_result(
             prompt_ids=payload.prompt_ids,
             completion_ids=payload.completion_ids,
-            tool_mask=None,
+            tool_mask=payload.tool_mask,
             completions=completions,
             logprobs=payload.logprobs,
-            extra_fields={},
+            extra_fields=dict(payload.extra_fields),
             images=None,
             tool_images=[],
         )
@@ -655,14 +669,19 @@ class AsyncRolloutMixin(ModelCardMixin):
             log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,
                                       self.state.global_step)  # fmt: skip
 
-    def _log_completion_lengths(self, prompt_ids: list, completion_ids: list) -> None:
+    def _log_completion_lengths(self, payload) -> None:
         """The completion metrics of TRL's `_generate`, for rows that did not go through it: this rank's sums go to the
         window (`trainers.statistics.completion_sums`). The tokens seen are counted at once, as TRL counts them (they
-        are saved with checkpoints): one all-reduce per rollout batch, on every rank."""
-        tokens = sum(len(p) for p in prompt_ids) + sum(len(c) for c in completion_ids)
+        are saved with checkpoints): one all-reduce per rollout batch, on every rank. Like TRL, only the tokens the
+        model sampled count (not a tool's)."""
+        model_tokens = model_token_counts(payload)
+        tokens = sum(len(p) for p in payload.prompt_ids) + sum(model_tokens)
         tokens = self.accelerator.reduce(torch.tensor([tokens], device=self.accelerator.device), reduction="sum")
         self.state.num_input_tokens_seen += int(tokens.item())
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
         record_completions(
-            self._statistics["train"], completion_ids, {*self.eos_token_ids, self._tokenizer.pad_token_id}
+            self._statistics["train"],
+            payload.completion_ids,
+            {*self.eos_token_ids, self._tokenizer.pad_token_id},
+            lengths=model_tokens,
         )

@@ -35,6 +35,7 @@ from .. import trl_contract
 from ..algorithms.m2po import m2po_loss
 from ..algorithms.ppo import PPO_TARGET_KNOBS, PPOTargets, per_token_kl, ppo_policy_loss, ppo_targets, value_loss
 from ..config import PPO_LOSS_TYPES, AsyncPPOConfig, ensure_async_fields
+from ..config.refusals import check_agentic_trainer
 from .batch import rollout_view
 from .critic import CRITIC_FILE, AdapterValueModel, CriticGradients, PerTokenValueModel, build_critic
 from .engine import AsyncRolloutMixin
@@ -76,12 +77,9 @@ class AsyncPPOTrainer(AsyncRolloutMixin, GRPOTrainer):
                 f" got {type(args).__name__}."
             )
         given = trl_contract.bind_init(model, reward_funcs, args, *positional, **kwargs).arguments
-        refused = [name for name in ("tools", "environment_factory", "rollout_func") if given.get(name)]
-        if refused:
-            raise ValueError(
-                f"AsyncPPOTrainer does not support {', '.join(refused)}= yet: tool and environment turns make the loss "
-                "mask of a completion non-contiguous, which GAE here does not handle."
-            )
+        check_agentic_trainer(
+            type(self).__name__, given.get("tools"), given.get("environment_factory"), given.get("rollout_func")
+        )
         peft = given.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
         if value_model is None and peft:
             # The critic adapter sits in the policy's DDP module but is used outside its forward: DDP must not look

@@ -11,8 +11,10 @@ import os
 
 import torch
 
+from ..config import async_field
 from ..rewards import is_tensor_reward
 from ..rollout import GeneratorSpec, ModelSpec
+from ..rollout.agentic import AgenticSpec
 from ..rollout.placement import Placement, choose_placement, rank_cores
 from ..rollout.prompts import is_iterable_dataset
 from ..timeline import TimelineSpec
@@ -83,11 +85,37 @@ def generator_spec(trainer, where: Placement) -> GeneratorSpec:
             None if is_model else f for f, is_model in zip(trainer.reward_funcs, reward_models, strict=True)
         ],
         reward_func_names=list(trainer.reward_func_names),
-        decode=bool(args.log_completions) or any(reward_models) or any_text_reward,
+        decode=bool(args.log_completions) or any(reward_models) or any_text_reward or uses_agentic_rollouts(trainer),
         parent_pid=os.getpid(),
         columns=_kept_columns(trainer),
         inflight_weight_updates=bool(args.inflight_weight_updates),
         timeline=timeline_spec(trainer),
+        agentic=agentic_spec(trainer),
+    )
+
+
+def uses_agentic_rollouts(trainer) -> bool:
+    """Tools, an environment factory or a rollout function: TRL's multi-turn generation (the same on every rank)."""
+    return bool(getattr(trainer, "tools", None)) or any(
+        getattr(trainer, name, None) is not None for name in ("environment_factories", "rollout_func")
+    )
+
+
+def agentic_spec(trainer) -> AgenticSpec | None:
+    """What the generation process needs to run the trainer's tools, environments and rollout function as TRL runs
+    them (`rollout.agentic`), read from the attributes TRL's `__init__` set (`trl_contract.AGENTIC_TRAINER_ATTRIBUTES`);
+    None without them."""
+    if not uses_agentic_rollouts(trainer):
+        return None
+    return AgenticSpec(
+        tools=list(trainer._standalone_tools),
+        environment_factories=trainer.environment_factories,
+        multi_environment=bool(trainer._multi_environment),
+        rollout_func=trainer.rollout_func,
+        max_tool_calling_iterations=trainer.max_tool_calling_iterations,
+        max_completion_length=trainer.max_completion_length,
+        tool_timeout=async_field(trainer.args, "tool_timeout"),
+        args=trainer.args,
     )
 
 

@@ -159,11 +159,15 @@ def record_async_window(statistics: WindowStatistics, window: dict) -> None:
 
 
 def record_completions(
-    statistics: WindowStatistics, completion_ids: Sequence[Sequence[int]], eos_and_pad: set
+    statistics: WindowStatistics,
+    completion_ids: Sequence[Sequence[int]],
+    eos_and_pad: set,
+    lengths: Sequence[int] | None = None,
 ) -> None:
     """The lengths of a batch's completions (a completion that ends in EOS or padding terminated; one cut at the length
-    limit did not), as `COMPLETION_SUMS` and extremes."""
-    lengths = [len(c) for c in completion_ids]
+    limit did not), as `COMPLETION_SUMS` and extremes. `lengths`: the tokens to count per completion (TRL counts only
+    the model's where a tool mask exists), default all of them."""
+    lengths = [len(c) for c in completion_ids] if lengths is None else list(lengths)
     terminated = [n for n, c in zip(lengths, completion_ids, strict=True) if c and c[-1] in eos_and_pad]
     inf = float("inf")
     statistics.add("completions", [len(lengths), sum(lengths), len(terminated), sum(terminated)])
@@ -217,6 +221,8 @@ def _async_metrics(total: dict[str, float], staleness_max: float, num_ranks: int
         out["async/staleness_max"] = staleness_max
         out["async/generate_s"] = total["generate_s"] / batches
         out["async/reward_s"] = total["reward_s"] / batches
+        if total["tool_s"]:  # tools and environments (`rollout.agentic`): seconds in their calls per batch
+            out["async/tool_s"] = total["tool_s"] / batches
     out["async/evicted"] = total["evicted_rows"]
     out["async/evicted_fraction"] = total["evicted_rows"] / max(total["evicted_rows"] + rows, 1.0)
     out["async/queue_size"] = total["queue_size"] / num_ranks
