@@ -38,15 +38,16 @@ MULTIPLY_DOC = """
     """
 
 
-def recording_multiply(path: str, raises: str | None = None, sleep_s: float = 0.0):
+def recording_multiply(path: str, raises: str | None = None, first_call_s: float = 0.0):
     """The task's `multiply` tool, appending the pid it runs in to `path` (defined in a function: it travels to the
-    generation process by value)."""
+    generation process by value); its first call takes `first_call_s` seconds."""
 
     def multiply(a: int, b: int) -> int:
+        first = not os.path.exists(path)
         with open(path, "a") as f:
             f.write(f"{os.getpid()}\n")
-        if sleep_s:
-            time.sleep(sleep_s)
+        if first and first_call_s:
+            time.sleep(first_call_s)
         if raises is not None:
             raise RuntimeError(raises)
         return a * b
@@ -181,7 +182,7 @@ def test_a_hanging_tool_ends_the_run_naming_it_and_leaves_nothing_behind(tmp_pat
         reward_funcs=math_answer_text_reward,
         args=tools_args(tmp_path, max_steps=3, tool_timeout=1.0),
         train_dataset=multiplication(),
-        tools=[recording_multiply(calls, sleep_s=30.0)],  # returns, but far too late
+        tools=[recording_multiply(calls, first_call_s=30.0)],  # returns, but far too late
     )
     started = time.monotonic()
     with pytest.raises(GeneratorError, match=r"tool 'multiply' did not return within tool_timeout=1s") as raised:
@@ -189,7 +190,7 @@ def test_a_hanging_tool_ends_the_run_naming_it_and_leaves_nothing_behind(tmp_pat
     assert "ToolTimeoutError" in str(raised.value).splitlines()[0]
     assert time.monotonic() - started < 25  # the timeout, not the tool's 30 s, ended it
     [(process, spool_dir)] = started_pipelines
-    assert read_pids(calls) == [process.pid]  # the call ran in the generation process...
+    assert read_pids(calls) == [process.pid]  # the call ran in the generation process, the run ended with it...
     assert pid_is_gone(process.pid)  # ...which is gone, with its spool in /dev/shm
     assert not os.path.exists(spool_dir)
 

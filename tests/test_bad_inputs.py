@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.trainer_utils import pid_is_gone, shm_entries
-from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
 from trl_async.rewards import (
     FormatReward,
     LengthPenalty,
@@ -51,6 +52,7 @@ from trl_async.rewards import (
 from trl_async.rollout import GeneratorError
 from trl_async.rollout.pipeline import RolloutPipeline
 from trl_async.toy import tiny_model_path
+from trl_async.toy.tools import make_multiplication_dataset, multiply, tiny_tools_model_path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 TABLE_START, TABLE_END = "<!-- cases: start -->", "<!-- cases: end -->"
@@ -113,6 +115,35 @@ def negative_infinity_on_row_1(completion_ids, completion_mask, **columns):
     return rewards
 
 
+# ----------------------------------------------------------------------------------------------- agentic code a user writes
+def _hanging_multiply(a: int, b: int) -> int:
+    time.sleep(30)  # far past tool_timeout
+    return a * b
+
+
+_hanging_multiply.__name__ = "multiply"  # the tool the tools model calls
+_hanging_multiply.__doc__ = multiply.__doc__
+
+
+class Sandbox:
+    def reset(self, **kwargs):
+        raise ValueError("problem bank empty")
+
+
+def unreachable_agent_server(prompts, trainer):
+    raise ConnectionError("agent server unreachable")
+
+
+def reads_the_trainer(prompts, trainer):
+    return trainer.vllm_generation
+
+
+def without_logprobs(prompts, trainer):
+    prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+    completion_ids, _ = trainer.generate(prompt_ids)
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
 class TargetReward(TensorReward):
     def score(self, completion_ids, completion_mask, target, **columns):
         return torch.tensor(target, dtype=torch.float32)
@@ -125,7 +156,7 @@ class User:
     def __init__(self, tmp: Path, checkpoint: Path | None = None):
         self.tmp, self._checkpoint, self.stage = tmp, checkpoint, "config"
 
-    def config(self, **overrides) -> AsyncGRPOConfig:
+    def config(self, config_cls=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
         settings = dict(
             output_dir=str(self.tmp / "out"),
             max_steps=2,
@@ -138,7 +169,7 @@ class User:
             bf16=False,
             use_cpu=True,
         )
-        return AsyncGRPOConfig(**{**settings, **overrides})
+        return config_cls(**{**settings, **overrides})
 
     @staticmethod
     def dataset(prompts=None, **columns) -> Dataset:
@@ -161,6 +192,22 @@ class User:
 
     def train(self, resume=None, **kwargs):
         self.trainer(**kwargs).train(resume_from_checkpoint=resume)
+
+    def train_with_the_tools_model(self, **kwargs):
+        """The tools variant of the tiny model (which calls its `multiply` tool) on multiplication problems."""
+        args = self.config(max_completion_length=48, max_steps=3, **kwargs.pop("config", {}))
+        dataset = make_multiplication_dataset(num_train=16, num_test=0, seed=3)["train"]
+        self.train(model=tiny_tools_model_path(), args=args, dataset=dataset, **kwargs)
+
+    def ppo_trainer(self, **kwargs):
+        self.stage = "construct"
+        AsyncPPOTrainer(
+            model=tiny_model_path(),
+            reward_funcs=[constant_reward],
+            args=self.config(config_cls=AsyncPPOConfig),
+            train_dataset=self.dataset(),
+            **kwargs,
+        )
 
     def checkpoint(self) -> Path:
         """A copy of a real checkpoint of this tiny job (one step, `save_steps=1`), to tamper with."""
@@ -374,6 +421,34 @@ CASES = [
     C("tensor_reward_wrong_shape_in_generation_process", "a tensor reward of shape `(B, 2)`, met by the generation "
       "process", lambda u: u.train(reward_funcs=[two_columns], args=u.config(trainer_generates_while_starting=False)),
       GeneratorError, ("ValueError", "'two_columns'", "shape"), "batch"),
+    # --- tools, environments, rollout functions (docs/agentic.md)
+    C("tool_timeout_zero", "`tool_timeout=0`", lambda u: u.config(tool_timeout=0), ValueError, ("tool_timeout",),
+      "config"),
+    C("tools_with_inflight_updates", "`tools=[multiply]` with `inflight_weight_updates=True`",
+      lambda u: u.trainer(args=u.config(inflight_weight_updates=True), tools=[multiply]), ValueError,
+      ("inflight_weight_updates=True", "tools="), "construct"),
+    C("tools_with_vllm_backend", "`tools=[multiply]` with `generation_backend='vllm'`",
+      lambda u: u.trainer(args=u.config(generation_backend="vllm"), tools=[multiply]), ValueError,
+      ("generation_backend='vllm'", "tools="), "construct"),
+    C("ppo_with_tools", "`AsyncPPOTrainer(..., tools=[multiply])`", lambda u: u.ppo_trainer(tools=[multiply]),
+      ValueError, ("AsyncPPOTrainer", "tools="), "construct"),
+    C("unknown_environment", "a row whose `environment` names none of the dict `environment_factory`'s",
+      lambda u: u.train(dataset=u.dataset(environment=["sandbox"] * 15 + ["abacus"]),
+                        environment_factory={"sandbox": Sandbox}),
+      ValueError, ("environment='abacus'", "environment_factory"), "train"),
+    C("tool_hangs", "a tool that does not return within `tool_timeout=1`",
+      lambda u: u.train_with_the_tools_model(config=dict(tool_timeout=1.0), tools=[_hanging_multiply]),
+      GeneratorError, ("ToolTimeoutError", "tool 'multiply'", "tool_timeout=1s"), "batch"),
+    C("environment_reset_raises", "an environment whose `reset` raises",
+      lambda u: u.train(environment_factory=Sandbox), GeneratorError,
+      ("ValueError", "problem bank empty", "environment (Sandbox).reset"), "batch"),
+    C("rollout_func_raises", "a `rollout_func` that raises", lambda u: u.train(rollout_func=unreachable_agent_server),
+      GeneratorError, ("ConnectionError", "rollout_func 'unreachable_agent_server'"), "batch"),
+    C("rollout_func_reads_the_trainer", "a `rollout_func` reading `trainer.vllm_generation`",
+      lambda u: u.train(rollout_func=reads_the_trainer), GeneratorError,
+      ("AttributeError", "trainer.vllm_generation", "RolloutContext"), "batch"),
+    C("rollout_func_without_logprobs", "a `rollout_func` returning `logprobs=None`",
+      lambda u: u.train(rollout_func=without_logprobs), GeneratorError, ("rollout_func", "logprobs=None"), "batch"),
 ]  # fmt: skip
 STAGE_OF = {"config": "config", "construct": "construct", "train": "train", "batch": "train"}
 
@@ -504,13 +579,22 @@ def test_none_rewards_keep_trl_semantics(tmp_path, caplog):
 
 
 # ----------------------------------------------------------------------------------------------- docs/errors.md
-def write_docs() -> None:
-    """Runs every case and rewrites the table of docs/errors.md with the messages the code gives."""
+def write_docs(only: set[str] | None = None) -> None:
+    """Runs every case (or those in `only`, keeping the other rows' messages) and rewrites the table of
+    docs/errors.md with the messages the code gives."""
     rows = ["| Case | Input | Raised | When | Check | Message (first line, and notes) |", "|---|---|---|---|---|---|"]
     kept = documented_messages() if TABLE_START in DOCS.read_text() else {}
+    kept_errors = {case_id: cells[2] for case_id, cells in documented_rows().items()} if kept else {}
     with tempfile.TemporaryDirectory(prefix="trl_async-errors-") as folder:
-        checkpoint = make_checkpoint(Path(folder) / "checkpoint")
+        needs_checkpoint = only is None or any(case_id.startswith("resume") for case_id in only)
+        checkpoint = make_checkpoint(Path(folder) / "checkpoint") if needs_checkpoint else None
         for index, case in enumerate(CASES):
+            if only is not None and case.id not in only and case.id in kept:
+                rows.append(
+                    f"| `{case.id}` | {case.what} | {kept_errors[case.id]} | {case.when} | {case.source} | "
+                    f"{kept[case.id]} |"
+                )
+                continue
             if case.skip():  # cannot run here: keep what the table says
                 rows.append(
                     f"| `{case.id}` | {case.what} | `{case.error.__name__}` | {case.when} | {case.source} | "
@@ -532,6 +616,9 @@ def write_docs() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-docs"]:
-        raise SystemExit("usage: python tests/test_bad_inputs.py --write-docs")
-    write_docs()
+    arguments = sys.argv[1:]
+    if arguments[:1] != ["--write-docs"] or not (
+        len(arguments) == 1 or (len(arguments) == 3 and arguments[1] == "--only")
+    ):
+        raise SystemExit("usage: python tests/test_bad_inputs.py --write-docs [--only CASE_ID,CASE_ID,...]")
+    write_docs(set(arguments[2].split(",")) if len(arguments) == 3 else None)

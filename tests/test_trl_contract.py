@@ -279,3 +279,102 @@ class _no_check:  # noqa: N801 (a context manager)
 def test_ppo_is_not_a_grpo_subclass_both_share_the_mixin():
     assert not issubclass(AsyncPPOTrainer, AsyncGRPOTrainer)
     assert AsyncPPOTrainer.__mro__[1] is AsyncRolloutMixin and AsyncGRPOTrainer.__mro__[1] is AsyncRolloutMixin
+
+
+# ----------------------------------------------------------------------------------------------- multi-turn code
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    from transformers import AutoTokenizer
+
+    from trl_async.toy import tiny_tools_model_path
+
+    return AutoTokenizer.from_pretrained(tiny_tools_model_path())
+
+
+def test_trls_multi_turn_code_reads_what_the_generation_process_host_provides(tools_tokenizer):
+    """The generation process runs TRL's `_generate`, `_tokenize_prompts`, `_tool_call_loop` and
+    `_get_tool_suffix_ids` on `ToolLoopHost`: they read exactly the attributes the contract lists, and the host has
+    every one of them."""
+    from trl_async.rollout.agentic import ToolLoopHost
+
+    assert trl_contract.host_attribute_mismatches(GRPOTrainer) == []
+    host = ToolLoopHost(tools_tokenizer, lambda prompt_ids: (prompt_ids, None))
+    read = {name for names in trl_contract.TOOL_LOOP_HOST_ATTRIBUTES.values() for name in names}
+    assert sorted(name for name in read if not hasattr(host, name)) == []
+
+
+def test_a_new_attribute_read_by_trls_tool_loop_is_reported_by_name():
+    class Upgraded(GRPOTrainer):
+        def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, fields):
+            return self.tool_parser, self._sync_tool_dicts  # a TRL that reads a new attribute
+
+    mismatches = trl_contract.host_attribute_mismatches(Upgraded)
+    assert any(m.startswith("_tool_call_loop now reads self.tool_parser") for m in mismatches), mismatches
+    assert any(m.startswith("_tool_call_loop no longer reads self.") for m in mismatches), mismatches
+    with pytest.raises(AttributeError, match="trainer.tool_parser"):
+        from trl_async.rollout.agentic import ToolLoopHost
+
+        ToolLoopHost.__getattr__(object.__new__(ToolLoopHost), "tool_parser")
+
+
+def test_trls_tool_loop_returns_its_fields_in_the_contracts_order(tools_tokenizer):
+    """TRL's `_generate` and `_tool_call_loop` on the host, with a scripted model: a tool call, then an answer. The
+    fields read by name (`tool_loop_fields`, `generate_fields`) are the ones TRL computed: one call, no failure, the
+    tool's tokens masked 0 with μ 0.0, the model's tokens 1 with their μ."""
+    from trl_async.rollout.agentic import ToolLoopHost
+    from trl_async.toy.tools import multiply, tool_call_text, tool_suffix_ids
+
+    def ids(text):
+        return tools_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    turns = [ids(tool_call_text("multiply", {"a": 3, "b": 4}) + "<|im_end|>"), ids("#### 12<|im_end|>")]
+    calls = iter(turns)
+
+    def generate_turn(prompt_ids):
+        completion = next(calls)
+        return [completion] * len(prompt_ids), [[-0.5] * len(completion)] * len(prompt_ids)
+
+    from transformers import AutoConfig
+
+    from trl_async.toy import tiny_tools_model_path
+
+    config = AutoConfig.from_pretrained(tiny_tools_model_path())
+    host = ToolLoopHost(tools_tokenizer, generate_turn, model_config=config, tools=[multiply], max_completion_length=96)
+    host._sync_tool_dicts, host._async_tool_dicts = [{"multiply": multiply}], [{}]
+    fields = trl_contract.generate_fields(host.run([[{"role": "user", "content": "What is 3*4?"}]]))
+    assert (host.tool_call_count, host.tool_failure_count) == (1, 0)
+    suffix = tool_suffix_ids(tools_tokenizer, [{"role": "tool", "name": "multiply", "content": "12"}])
+    assert fields["completion_ids"] == [turns[0] + suffix + turns[1]]
+    assert fields["tool_mask"] == [[1] * len(turns[0]) + [0] * len(suffix) + [1] * len(turns[1])]
+    assert fields["logprobs"] == [[-0.5] * len(turns[0]) + [0.0] * len(suffix) + [-0.5] * len(turns[1])]
+    assert [m["role"] for m in fields["completions"][0]] == ["assistant", "tool", "assistant"]
+
+
+def test_trl_sets_up_what_agentic_runs_read_of_the_trainer(tmp_path, tools_tokenizer):
+    from trl_async.toy import tiny_tools_model_path
+    from trl_async.toy.tools import make_multiplication_dataset, multiply
+
+    class Counter:
+        def reset(self, **kwargs): ...
+
+        def increment(self, step: int) -> int:
+            """
+            Add to the counter.
+
+            Args:
+                step: How much.
+            """
+            return step
+
+    trainer = GRPOTrainer(
+        model=tiny_tools_model_path(),
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, config_cls=GRPOConfig, max_completion_length=8),
+        train_dataset=make_multiplication_dataset(num_train=16, num_test=0)["train"],
+        tools=[multiply],
+        environment_factory=Counter,
+    )
+    missing = [name for name in trl_contract.AGENTIC_TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
+    assert missing == []
+    assert trainer._standalone_tools == [multiply] and list(trainer.environment_factories) == [None]
+    assert [tool.__name__ for tool in trainer.tools] == ["multiply", "increment"]
