@@ -53,6 +53,8 @@ DIVERGING_TEST = "tests/test_diverging_ranks.py::test_ranks_that_differ_stay_in_
 
 BAD_INPUT_TEST = "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_leaves_nothing_behind"
 
+AGENTIC_TEST = "tests/test_agentic.py"
+
 
 def bad_input(*case_ids: str) -> tuple[str, ...]:
     """The cases of `tests/test_bad_inputs.py`'s table that guard a check."""
@@ -186,7 +188,7 @@ MUTATIONS = [
     ),
     Mutation(
         "seed_ignores_rank",
-        "trl_async/rollout/generator.py",
+        "trl_async/rollout/producer.py",
         'f"{seed}/{process_index}/{stream_index}"',
         'f"{seed}/{stream_index}"',
         ("tests/test_engine.py::test_ranks_sharing_a_group_never_sample_identical_completions",),
@@ -195,9 +197,9 @@ MUTATIONS = [
     # --------------------------------------------------------------------------------------- rewards
     Mutation(
         "always_decode",
-        "trl_async/rollout/generator.py",
-        "        if spec.decode:\n            decode()",
-        "        decode()",
+        "trl_async/rollout/producer.py",
+        "        if spec.decode:\n            sampled.decode()",
+        "        sampled.decode()",
         ("tests/test_tensor_rewards_trainer.py",),
         "completions are decoded although only tensor rewards read them",
     ),
@@ -670,7 +672,7 @@ MUTATIONS = [
     Mutation(
         "prompt_column_not_checked",
         "trl_async/config/inputs.py",
-        'if columns is not None and "prompt" not in columns:',
+        'if columns is not None and "prompt" not in columns and prompt_required:',
         "if False:",
         bad_input("no_prompt_column"),
         "a dataset without a prompt column fails at the first batch with KeyError: 'prompt'",
@@ -890,9 +892,9 @@ MUTATIONS = [
     Mutation(
         "tokens_seen_counted_only_for_generator_batches",
         "trl_async/trainers/engine.py",
-        "        self._log_completion_lengths(payload.prompt_ids, payload.completion_ids)\n",
+        "        self._log_completion_lengths(payload)\n",
         "        if not slot.batch.from_trainer:\n"
-        "            self._log_completion_lengths(payload.prompt_ids, payload.completion_ids)\n",
+        "            self._log_completion_lengths(payload)\n",
         (f"{DIVERGING_TEST}[late_generator]",),
         "a collective joined only by ranks whose batch came from the generation process (the wave-4 crash's pattern)",
         timeout=600,
@@ -939,6 +941,76 @@ MUTATIONS = [
         "| `max_staleness_negative` | `max_staleness=-1` | `TypeError` |",
         bad_input("max_staleness_negative"),
         "docs/errors.md names an exception the case does not raise",
+    ),
+    # --------------------------------------------------------------------------------------- tools, environments
+    Mutation(
+        "tool_tokens_in_the_statistics",
+        "trl_async/trainers/engine.py",
+        'return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]',
+        "return mask",
+        (f"{AGENTIC_TEST}::test_mu_staleness_and_offpolicy_figures_stay_exact_with_tool_tokens_masked",),
+        "tool tokens (μ = 0.0, TRL's placeholder) enter the correction against μ and the offpolicy/* figures",
+    ),
+    Mutation(
+        "tool_mask_not_handed_to_trl",
+        "trl_async/trainers/engine.py",
+        "            tool_mask=payload.tool_mask,\n",
+        "            tool_mask=None,\n",
+        (f"{AGENTIC_TEST}::test_mu_staleness_and_offpolicy_figures_stay_exact_with_tool_tokens_masked",),
+        "TRL's loss, num_items_in_batch and the statistics train on the tool's tokens as if the model sampled them",
+    ),
+    Mutation(
+        "tools_run_in_the_trainer",
+        "trl_async/trainers/engine.py",
+        "trainer_generates_while_starting=args.trainer_generates_while_starting and not uses_agentic_rollouts(self),",
+        "trainer_generates_while_starting=args.trainer_generates_while_starting,",
+        (f"{AGENTIC_TEST}::test_tools_run_in_the_generation_process_and_the_trainer_trains_on_their_batches",),
+        "the trainer makes the first batches itself, running the tools in its own process (where a hung call would "
+        "outlive train())",
+    ),
+    Mutation(
+        "tool_timeout_not_enforced",
+        "trl_async/rollout/agentic.py",
+        "        if not self.enforced:\n            yield\n",
+        "        if True:\n            yield\n",
+        (
+            f"{AGENTIC_TEST}::test_a_hanging_tool_ends_the_run_naming_it_and_leaves_nothing_behind",
+            f"{AGENTIC_TEST}::test_watchdog_reports_a_late_call_by_name_and_beats_while_calls_run",
+        ),
+        "a tool that hangs holds the run (the heartbeat, if anything, ends it, naming no tool)",
+        timeout=300,
+    ),
+    Mutation(
+        "tool_metrics_gathered_only_when_a_batch_called_a_tool",
+        "trl_async/trainers/agentic.py",
+        "    if not trainer.tools:\n        return\n",
+        "    if not trainer.tools or not payload.tool_call_count:\n        return\n",
+        (f"{AGENTIC_TEST}::test_tool_metrics_are_logged_for_every_batch_as_trl_logs_them_even_without_a_call",),
+        "a collective joined only by ranks whose batch made a tool call; TRL logs the frequencies for every batch",
+    ),
+    Mutation(
+        "environments_reset_by_the_trainer_too",
+        "trl_async/trainers/engine.py",
+        "environments = contextlib.nullcontext() if batch is None else environments_left_to_the_rollouts(self)",
+        "environments = contextlib.nullcontext()",
+        (f"{AGENTIC_TEST}::test_environment_factory_without_a_dataset_runs_in_the_generation_process",),
+        "TRL's scoring of a rollout batch draws and resets the trainer's own environment instances for its rows",
+    ),
+    Mutation(
+        "rollout_func_extra_fields_dropped",
+        "trl_async/rollout/agentic.py",
+        "                if isinstance(values, list) and i < len(values):\n                    row[key] = values[i]",
+        "                if False:\n                    row[key] = values[i]",
+        (f"{AGENTIC_TEST}::test_rollout_func_runs_in_the_generation_process_and_its_extra_fields_reach_the_rewards",),
+        "a rollout_func's per-row fields never reach the reward functions",
+    ),
+    Mutation(
+        "environment_reset_error_unnamed",
+        "trl_async/rollout/agentic.py",
+        "            with named_errors(f\"Raised by {what}",
+        "            with named_errors(f\"Raised by the environment",
+        bad_input("environment_reset_raises"),
+        "an environment whose reset raises ends the run without naming which environment",
     ),
 ]
 

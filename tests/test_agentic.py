@@ -126,6 +126,27 @@ def test_tools_run_in_the_generation_process_and_the_trainer_trains_on_their_bat
     assert len(logged(trainer, "async/tool_s")) == sum(f > 0 for f in frequencies)  # time in tools, where any ran
 
 
+def test_tool_metrics_are_logged_for_every_batch_as_trl_logs_them_even_without_a_call(tmp_path):
+    """The plain tiny model never calls a tool: TRL logs a call frequency of 0 for each batch (and the trainer's
+    gather of the counts runs for every batch on every rank, whatever the batch holds)."""
+    from trl.chat_template_utils import qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    tokenizer.response_template = qwen3_template  # TRL's parser for this format (the bundled tokenizer has none)
+    trainer = AsyncGRPOTrainer(
+        model=tiny_model_path(),
+        processing_class=tokenizer,
+        reward_funcs=math_answer_text_reward,
+        args=make_args(tmp_path, max_steps=2, max_completion_length=8),
+        train_dataset=make_arithmetic_dataset(num_train=32, num_test=0, seed=4)["train"],
+        tools=[recording_multiply(str(tmp_path / "calls.txt"))],
+    )
+    trainer.train()
+    assert logged(trainer, "tools/call_frequency") == [0.0, 0.0]
+    assert logged(trainer, "tools/failure_frequency") == [0.0, 0.0]
+    assert read_pids(str(tmp_path / "calls.txt")) == []
+
+
 def test_a_raising_tool_is_a_failed_call_the_model_reads_and_training_goes_on(tmp_path):
     """TRL's semantics: the exception becomes the tool's result `{'error': ...}`, counted in
     `tools/failure_frequency`; the run continues."""
