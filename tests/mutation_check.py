@@ -970,7 +970,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tool_timeout_not_enforced",
-        "trl_async/rollout/agentic.py",
+        "trl_async/rollout/tool_calls.py",
         "        if not self.enforced:\n            yield\n",
         "        if True:\n            yield\n",
         (

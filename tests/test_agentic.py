@@ -20,7 +20,8 @@ from tests.support.trainer_utils import make_args, pid_is_gone
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncPPOConfig, AsyncPPOTrainer
 from trl_async.rewards import math_answer_text_reward
 from trl_async.rollout import GeneratorError
-from trl_async.rollout.agentic import CallTimer, CallWatchdog, RolloutContext, watched
+from trl_async.rollout.agentic import RolloutContext
+from trl_async.rollout.tool_calls import CallTimer, CallWatchdog, FirstRoundCalls, watched
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
 from trl_async.toy.tools import make_multiplication_dataset, tiny_tools_model_path
 
@@ -211,7 +212,7 @@ def test_a_hanging_tool_ends_the_run_naming_it_and_leaves_nothing_behind(tmp_pat
     assert "ToolTimeoutError" in str(raised.value).splitlines()[0]
     assert time.monotonic() - started < 25  # the timeout, not the tool's 30 s, ended it
     [(process, spool_dir)] = started_pipelines
-    assert read_pids(calls) == [process.pid]  # the call ran in the generation process, the run ended with it...
+    assert set(read_pids(calls)) == {process.pid}  # the calls ran in the generation process, the run ended with it...
     assert pid_is_gone(process.pid)  # ...which is gone, with its spool in /dev/shm
     assert not os.path.exists(spool_dir)
 
@@ -559,3 +560,46 @@ def test_watched_tools_keep_their_schema_and_exceptions():
         sync_tool(a=1, b="2")
     assert asyncio.run(async_tool(key="x")) == "X"
     assert timer.total_s > 0
+
+
+def test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_own_errors():
+    """The first tool round of a batch, started before TRL's loop: rollouts overlap, one rollout's calls keep TRL's
+    order on one thread, and each call's result or exception is what TRL's loop gets when it makes the call."""
+    import threading
+
+    from trl_async.rollout.tool_calls import PrefetchedTool
+
+    log = []
+
+    def search(query: str) -> str:
+        log.append((query, threading.get_ident(), time.monotonic()))
+        time.sleep(0.3)
+        if query == "broken":
+            raise ValueError("index offline")
+        return query.upper()
+
+    first_round = FirstRoundCalls(threads=4)
+    sync_dicts = [{"search": PrefetchedTool(search, row, "search", first_round)} for row in range(4)]
+
+    def turn(*queries):
+        calls = [{"type": "function", "function": {"name": "search", "arguments": {"query": q}}} for q in queries]
+        return [{"role": "assistant", "content": "", "tool_calls": calls}] if queries else [{"role": "assistant"}]
+
+    completions = [turn("a", "b"), turn("broken"), turn(), turn("c")]
+    started = time.monotonic()
+    first_round.start(completions, sync_dicts)
+    # TRL's loop: row by row, each row's calls in order.
+    assert sync_dicts[0]["search"](query="a") == "A" and sync_dicts[0]["search"](query="b") == "B"
+    with pytest.raises(ValueError, match="index offline"):
+        sync_dicts[1]["search"](query="broken")
+    assert sync_dicts[3]["search"](query="c") == "C"
+    assert time.monotonic() - started < 0.3 * 4  # four calls one after another would take 1.2 s
+    threads = {query: thread for query, thread, _ in log}
+    assert threads["a"] == threads["b"] and [q for q, _, _ in log if q in "ab"] == ["a", "b"]
+    assert sync_dicts[2]["search"](query="later round") == "LATER ROUND"  # no prefetched call: the call itself
+    first_round.start([turn("x"), turn("y")], sync_dicts[:2])
+    with pytest.raises(RuntimeError, match="set tool_call_threads=1"):
+        sync_dicts[0]["search"](query="not x")
+    sequential = FirstRoundCalls(threads=1)
+    sequential.start([turn("x"), turn("y")], sync_dicts[:2])
+    assert sequential.take(0, "search", {"query": "x"}) is None  # one thread: TRL's loop makes every call

@@ -151,6 +151,17 @@ class AsyncGRPOConfig(GRPOConfig):
             "result and the call counts in tools/failure_frequency. None: no limit."
         },
     )
+    tool_call_threads: int = field(
+        default=8,
+        metadata={
+            "help": "Threads on which the generation process runs the tool calls of a batch's first tool round "
+            "concurrently (tools=, environment_factory=; docs/agentic.md): TRL's loop calls them one rollout after "
+            "another, which with a tool of real latency (a search, a sandbox) leaves the generation process waiting "
+            "on each in turn. One rollout's calls keep their order on one thread, and results and errors are the "
+            "calls' own; tools shared by rollouts must be thread-safe. Later rounds run as TRL runs them. 1: TRL's "
+            "one-after-another order."
+        },
+    )
     generator_startup_timeout: float = field(
         default=600.0,
         metadata={"help": "Seconds to wait for the generation process to load its model and report ready."},
@@ -308,6 +319,11 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
     for name in ("generator_startup_timeout", "generator_heartbeat_timeout"):
         value = getattr(args, name)
         _check(value is not None and value > 0, f"{name} must be a positive number of seconds, got {value!r}.")
+    threads = args.tool_call_threads
+    _check(
+        isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
+        f"tool_call_threads must be an integer >= 1 (1: one call after another, as TRL makes them), got {threads!r}.",
+    )
     tool_timeout = args.tool_timeout
     _check(
         tool_timeout is None

