@@ -3,7 +3,10 @@
 Prompts are formatted exactly as TRL formats them for training (`trl.data_utils.maybe_apply_chat_template`),
 generated greedily in batches with transformers' `generate` (left padding, the model's own EOS ids), and scored with
 the text form of the training reward (`MathAnswerTextReward`: the last `####` / `\\boxed{` / "The answer is" marker
-must be followed by the gold answer). Accuracy comes with its Wilson 95% interval.
+must be followed by the gold answer). Accuracy comes with its Wilson 95% interval. With tools, the completions are
+multi-turn and the tool calls are executed, by TRL's own multi-turn code as in training
+(`trl_async.toy.tools.tool_rollouts`); the assistant turns are scored, and the share of problems the model called a
+tool for is reported (`tool_call_rate`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 
 ARITHMETIC = "arithmetic"
+MULTIPLICATION = "multiplication"
 
 
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -61,8 +65,8 @@ def load_eval_dataset(recipe, seed: int):
 
     name = recipe.eval_dataset
     if name is None:
-        if recipe.dataset == ARITHMETIC:
-            name = ARITHMETIC
+        if recipe.dataset in (ARITHMETIC, MULTIPLICATION):
+            name = recipe.dataset
         elif looks_like_local_path(recipe.dataset):
             raise ValueError(
                 f"eval_dataset is unset and the training data is a local file ({recipe.dataset!r}), which has no "
@@ -77,6 +81,16 @@ def load_eval_dataset(recipe, seed: int):
         if recipe.eval_split not in splits:
             raise ValueError(
                 f"eval_split={recipe.eval_split!r} does not exist for the arithmetic dataset; its splits are "
+                f"{sorted(splits)} (use 'test', the held-out problems)."
+            )
+        dataset = splits[recipe.eval_split]
+    elif name == MULTIPLICATION:
+        from trl_async.toy import make_multiplication_dataset
+
+        splits = make_multiplication_dataset(recipe.num_train_prompts, recipe.num_test_prompts, seed=seed)
+        if recipe.eval_split not in splits:
+            raise ValueError(
+                f"eval_split={recipe.eval_split!r} does not exist for the multiplication dataset; its splits are "
                 f"{sorted(splits)} (use 'test', the held-out problems)."
             )
         dataset = splits[recipe.eval_split]
@@ -143,24 +157,71 @@ def greedy_completions(
     return completions
 
 
+def tool_completions(
+    model,
+    tokenizer,
+    prompts: list,
+    tools: list,
+    max_new_tokens: int,
+    max_tool_calling_iterations,
+    batch_size: int,
+    num_threads: int | None = None,
+) -> tuple[list, list[bool]]:
+    """Greedy multi-turn completions with the tools executed (TRL's code: `trl_async.toy.tools.tool_rollouts`), and
+    per prompt whether the model called a tool."""
+    import torch
+
+    from trl_async.toy.tools import tool_rollouts
+
+    threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        out = tool_rollouts(model, tokenizer, prompts, tools=tools, max_completion_length=max_new_tokens,
+                            max_tool_calling_iterations=max_tool_calling_iterations, batch_size=batch_size)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return out["completions"], [calls > 0 for calls in out["tool_calls"]]
+
+
 def evaluate_accuracy(
-    model, tokenizer, dataset, max_new_tokens: int, batch_size: int, num_threads: int | None = None
+    model,
+    tokenizer,
+    dataset,
+    max_new_tokens: int,
+    batch_size: int,
+    num_threads: int | None = None,
+    tools=(),
+    max_tool_calling_iterations: int | None = None,
 ) -> dict:
-    """Greedy accuracy of `model` on `dataset` (columns `prompt`, `answer`): accuracy, counts and Wilson 95% CI."""
+    """Greedy accuracy of `model` on `dataset` (columns `prompt`, `answer`): accuracy, counts and Wilson 95% CI;
+    with `tools`, the tool calls executed and `tool_call_rate` added."""
     from trl_async.rewards import MathAnswerTextReward
+    from trl_async.rewards.text import completion_text
 
     scorer = MathAnswerTextReward()
     threads = eval_threads(model, num_threads)
-    completions = greedy_completions(model, tokenizer, list(dataset["prompt"]), max_new_tokens, batch_size, threads)
-    hits = [scorer.score_text(text, gold) == 1.0 for text, gold in zip(completions, dataset["answer"], strict=True)]
-    return accuracy_from_hits(hits)
+    prompts = list(dataset["prompt"])
+    called = None
+    if tools:
+        completions, called = tool_completions(model, tokenizer, prompts, list(tools), max_new_tokens,
+                                               max_tool_calling_iterations, batch_size, threads)  # fmt: skip
+        texts = [completion_text(c) for c in completions]
+    else:
+        texts = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size, threads)
+    hits = [scorer.score_text(text, gold) == 1.0 for text, gold in zip(texts, dataset["answer"], strict=True)]
+    return accuracy_from_hits(hits, called)
 
 
-def accuracy_from_hits(hits: list[bool]) -> dict:
-    """Accuracy, counts, Wilson 95% interval, and the per-problem hits (kept for the paired comparison)."""
+def accuracy_from_hits(hits: list[bool], called: list[bool] | None = None) -> dict:
+    """Accuracy, counts, Wilson 95% interval, and the per-problem hits (kept for the paired comparison); with tools,
+    the share of problems with a tool call and the per-problem flags."""
     correct, total = sum(hits), len(hits)
     low, high = wilson_interval(correct, total)
-    return {"accuracy": correct / total, "correct": correct, "total": total, "ci95": [low, high], "hits": list(hits)}
+    result = {"accuracy": correct / total, "correct": correct, "total": total, "ci95": [low, high], "hits": list(hits)}
+    if called is not None:
+        result.update(tool_call_rate=sum(called) / total, tool_calls=list(called))
+    return result
 
 
 def evaluate_sharded(state, model, tokenizer, dataset, **kwargs) -> dict:
@@ -171,5 +232,6 @@ def evaluate_sharded(state, model, tokenizer, dataset, **kwargs) -> dict:
     if state.num_processes == 1:
         return evaluate_accuracy(model, tokenizer, dataset, **kwargs)
     shard = dataset.shard(num_shards=state.num_processes, index=state.process_index, contiguous=True)
-    hits = evaluate_accuracy(model, tokenizer, shard, **kwargs)["hits"] if len(shard) else []
-    return accuracy_from_hits(gather_object(hits))
+    local = evaluate_accuracy(model, tokenizer, shard, **kwargs) if len(shard) else {"hits": []}
+    called = gather_object(local.get("tool_calls", [])) if kwargs.get("tools") else None
+    return accuracy_from_hits(gather_object(local["hits"]), called)

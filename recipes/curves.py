@@ -40,8 +40,20 @@ def plot_run(log_history: list[dict], eval_results: dict | None, path: str, titl
         ax.plot(steps, moving_average(list(rewards), window), color="tab:blue", linewidth=2.0,
                 label=f"moving average ({window} steps)")  # fmt: skip
         ax.legend(loc="lower right", fontsize=8)
+    calls = [(entry["step"], entry["tools/call_frequency"]) for entry in log_history
+             if entry.get("tools/call_frequency") is not None and "step" in entry]  # fmt: skip
+    if calls:  # runs with tools: TRL's tool calls per completion, and the share that failed
+        failures = [(entry["step"], entry["tools/failure_frequency"]) for entry in log_history
+                    if entry.get("tools/failure_frequency") is not None and "step" in entry]  # fmt: skip
+        window = max(1, len(calls) // 20)
+        ax.plot([s for s, _ in calls], moving_average([c for _, c in calls], window), color="tab:orange",
+                linewidth=1.5, label="tool calls per completion")  # fmt: skip
+        if failures:
+            ax.plot([s for s, _ in failures], moving_average([f for _, f in failures], window), color="tab:red",
+                    linewidth=1.0, linestyle="--", label="failed tool calls (share)")  # fmt: skip
+        ax.legend(loc="lower right", fontsize=8)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward of the step's completions")
+    ax.set_ylabel("mean reward of the step's completions" + (" / tool calls" if calls else ""))
     ax.set_title("Training reward")
     ax.grid(alpha=0.3)
     if eval_results is not None:
@@ -58,7 +70,8 @@ def plot_run(log_history: list[dict], eval_results: dict | None, path: str, titl
                         fontsize=9, color="white", fontweight="bold")  # fmt: skip
         ax.set_ylim(0, 1)
         ax.set_ylabel("greedy accuracy (95% interval)")
-        ax.set_title(f"Held-out accuracy, n={eval_results['num_samples']}")
+        tools = " (tools executed)" if eval_results.get("tools") else ""
+        ax.set_title(f"Held-out accuracy{tools}, n={eval_results['num_samples']}")
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -3,6 +3,7 @@ after.
 
     accelerate launch recipes/qwen_math.py                                   # bundled tiny model, offline, CPU
     accelerate launch recipes/qwen_math.py --config recipes/configs/tiny_ppo.yaml   # PPO with a learned critic
+    python recipes/qwen_math.py --config recipes/configs/tiny_tools.yaml     # a calculator tool (docs/agentic.md)
     python recipes/qwen_math.py                                              # same, one process
     accelerate launch recipes/qwen_math.py --config recipes/configs/qwen2.5-0.5b-gsm8k.yaml
     ... --push_to_hub true --hub_model_id you/name                           # then push model/adapter + card
@@ -30,7 +31,10 @@ if RECIPE_DIR not in sys.path:
     sys.path.insert(0, RECIPE_DIR)
 DEFAULT_CONFIG = os.path.join(RECIPE_DIR, "configs", "tiny.yaml")
 BUNDLED_MODEL = "bundled:tiny_qwen2"
+BUNDLED_TOOLS_MODEL = "bundled:tiny_qwen2_tools"  # the tool-calling variant (trl_async.toy.tools)
+MULTIPLICATION = "multiplication"
 REWARDS = ("tensor", "text")
+GENERATED = ("arithmetic", "multiplication")  # the generated tasks (trl_async.toy), with their held-out splits
 TRAINERS = ("async", "trl", "ppo")
 
 
@@ -39,19 +43,21 @@ class RecipeArguments:
     dataset: str = field(
         default="arithmetic",
         metadata={
-            "help": "'arithmetic' (generated two-digit problems), a Hub dataset id in GSM8K format (e.g. "
-            "'openai/gsm8k'), or a local .json/.jsonl file or folder of GSM8K-format rows (question, answer)."
+            "help": "'arithmetic' (generated two-digit problems), 'multiplication' (generated three-digit products, "
+            "the tools model's task: trl_async.toy.tools), a Hub dataset id in GSM8K format (e.g. 'openai/gsm8k'), or "
+            "a local .json/.jsonl file or folder of GSM8K-format rows (question, answer)."
         },
     )
     dataset_split: str = field(default="train", metadata={"help": "Split of a GSM8K-format Hub dataset to train on."})
     num_train_prompts: int = field(
-        default=2000, metadata={"help": "Number of generated arithmetic training problems ('arithmetic' only)."}
+        default=2000,
+        metadata={"help": "Number of generated training problems ('arithmetic' and 'multiplication' only)."},
     )
     num_test_prompts: int = field(
         default=500,
         metadata={
-            "help": "Number of generated arithmetic held-out problems ('arithmetic' only); never among the training "
-            "problems."
+            "help": "Number of generated held-out problems ('arithmetic' and 'multiplication' only); never among the "
+            "training problems."
         },
     )
     reward: str = field(
@@ -59,6 +65,15 @@ class RecipeArguments:
         metadata={
             "help": "'tensor': the tensor-native MathAnswerReward, which scores token ids without decoding. 'text': "
             "decode completions and check the final answer with a regex (TRL's usual way), for comparison."
+        },
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Functions the model may call, as 'module:function' (e.g. trl_async.toy.tools:multiply; TRL builds "
+            "each schema from its type hints and docstring), passed as `tools=`: they run in the generation process "
+            "(docs/agentic.md), and in the held-out evaluation too. Needs reward: text (a tensor reward would see "
+            "the tool's tokens among the completion ids)."
         },
     )
     format_reward: bool = field(
@@ -118,6 +133,16 @@ class RecipeArguments:
             raise ValueError(f"reward={self.reward!r} is unknown; use one of {list(REWARDS)}.")
         if self.trainer not in TRAINERS:
             raise ValueError(f"trainer={self.trainer!r} is unknown; use one of {list(TRAINERS)}.")
+        if self.tools and self.reward != "text":
+            raise ValueError(
+                f"reward={self.reward!r} with tools: the tensor reward reads the completion ids, which then include "
+                "the tool's tokens (a copied tool response would score). Use reward: text, which reads the model's "
+                "own turns."
+            )
+        if self.tools and self.trainer == "ppo":
+            raise ValueError(
+                "tools with trainer: ppo: AsyncPPOTrainer does not support tools yet; use trainer: async."
+            )
         for name in ("num_train_prompts", "num_test_prompts", "eval_generation_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -133,6 +158,10 @@ def resolve_model_path(name_or_path: str) -> str:
         from trl_async.toy import tiny_model_path
 
         return tiny_model_path()
+    if name_or_path == BUNDLED_TOOLS_MODEL:
+        from trl_async.toy import tiny_tools_model_path
+
+        return tiny_tools_model_path()
     # A Hub id is "name" or "org/name"; anything else that looks like a path is treated as one.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local or os.path.exists(name_or_path):
@@ -173,7 +202,30 @@ def load_train_dataset(recipe, seed: int):
             num_train=recipe.num_train_prompts, num_test=recipe.num_test_prompts, seed=seed
         )
         return splits["train"]
+    if recipe.dataset == MULTIPLICATION:
+        from trl_async.toy import make_multiplication_dataset
+
+        return make_multiplication_dataset(recipe.num_train_prompts, recipe.num_test_prompts, seed=seed)["train"]
     return load_math_dataset(recipe.dataset, recipe.dataset_split, "dataset", "dataset_split")
+
+
+def load_tools(names: list[str]) -> list:
+    """The callables named 'module:function' (the module imported, the function read from it)."""
+    import importlib
+
+    tools = []
+    for name in names:
+        module_name, _, function_name = name.partition(":")
+        if not module_name or not function_name:
+            raise ValueError(f"tools: {name!r} is not 'module:function' (e.g. trl_async.toy.tools:multiply).")
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"tools: {name!r} cannot be loaded: {error}") from error
+        if not callable(function):
+            raise ValueError(f"tools: {name!r} is {type(function).__name__}, not a function.")
+        tools.append(function)
+    return tools
 
 
 def make_rewards(recipe, tokenizer) -> list:
@@ -191,7 +243,7 @@ def make_rewards(recipe, tokenizer) -> list:
 def dataset_hub_id(name: str | None) -> str | None:
     from trl_async.data import looks_like_local_path
 
-    return name if name not in (None, "arithmetic") and not looks_like_local_path(name) else None
+    return name if name not in (None, *GENERATED) and not looks_like_local_path(name) else None
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -252,8 +304,10 @@ def parse_args(argv: list[str]):
     return recipe, training_args, model_args
 
 
-def run_accuracy(recipe, state, model, tokenizer, dataset, training_args) -> dict:
-    """Greedy accuracy on `dataset`, split across all processes (every process must call it)."""
+def run_accuracy(recipe, state, model, tokenizer, dataset, training_args, tools=()) -> dict:
+    """Greedy accuracy on `dataset`, split across all processes (every process must call it); with `tools`, the
+    model's tool calls are executed as in training (the completion length is then the whole multi-turn
+    completion's)."""
     from accuracy import evaluate_sharded
 
     start = time.perf_counter()
@@ -261,6 +315,7 @@ def run_accuracy(recipe, state, model, tokenizer, dataset, training_args) -> dic
         state, model, tokenizer, dataset,
         max_new_tokens=recipe.eval_max_new_tokens or training_args.max_completion_length,
         batch_size=recipe.eval_generation_batch_size, num_threads=recipe.eval_num_threads,
+        tools=list(tools), max_tool_calling_iterations=training_args.max_tool_calling_iterations,
     )  # fmt: skip
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
@@ -268,12 +323,16 @@ def run_accuracy(recipe, state, model, tokenizer, dataset, training_args) -> dic
 
 def accuracy_results(recipe, training_args, eval_name: str, before: dict, after: dict) -> dict:
     """The content of eval.json: both accuracies, the gain and the standard error of the paired differences."""
+    for result in (before, after):  # the per-problem flags stay out of eval.json; their rate is kept
+        result.pop("tool_calls", None)
     paired = [int(a) - int(b) for a, b in zip(after.pop("hits"), before.pop("hits"), strict=True)]
     mean = sum(paired) / len(paired)
     variance = sum((d - mean) ** 2 for d in paired) / max(len(paired) - 1, 1)
+    tools = {"tools": list(recipe.tools)} if recipe.tools else {}
     return {
+        **tools,
         "dataset": eval_name,
-        "split": recipe.eval_split if eval_name == "arithmetic" or dataset_hub_id(eval_name) else None,
+        "split": recipe.eval_split if eval_name in GENERATED or dataset_hub_id(eval_name) else None,
         "num_samples": len(paired),
         "decoding": "greedy",
         "max_new_tokens": recipe.eval_max_new_tokens or training_args.max_completion_length,
@@ -327,6 +386,7 @@ def main(argv: list[str] | None = None):
         from accuracy import load_eval_dataset
 
         eval_dataset, eval_name = load_eval_dataset(recipe, seed=training_args.seed)
+    tools = load_tools(recipe.tools)
     model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, model_args)
     # The process state the trainer will use: transformers sets it up (CPU-aware for multi-process CPU runs) when
     # the args' device is first read, and PartialState is a singleton that then returns it.
@@ -336,7 +396,7 @@ def main(argv: list[str] | None = None):
     before = None
     if eval_dataset is not None:
         model.to(state.device)
-        before = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args)
+        before = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args, tools)
         if state.is_main_process:
             print(f"[qwen_math] greedy accuracy before training: {before['accuracy']:.3f} ({before['correct']}/"
                   f"{before['total']} held-out problems of {eval_name}, {before['seconds']:.0f}s)", flush=True)  # fmt: skip
@@ -349,6 +409,7 @@ def main(argv: list[str] | None = None):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        **({"tools": tools} if tools else {}),
     )
     start = time.perf_counter()
     trainer.train()
@@ -360,7 +421,7 @@ def main(argv: list[str] | None = None):
     after = None
     if eval_dataset is not None:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        after = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args)
+        after = run_accuracy(recipe, state, model, tokenizer, eval_dataset, training_args, tools)
     if main_process and after is not None:
         os.makedirs(output_dir, exist_ok=True)
         results = accuracy_results(recipe, training_args, eval_name, before, after)

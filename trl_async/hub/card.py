@@ -239,6 +239,30 @@ def _trainer_config(args, kind: str, model) -> dict[str, Any]:
     return config
 
 
+def _tool_config(trainer) -> dict[str, Any]:
+    """With tools (or environments' tool methods): each tool as `name(arguments)`, and the tool settings."""
+    tools = list(getattr(trainer, "tools", None) or [])
+    if not tools:
+        return {}
+    from transformers.utils import get_json_schema
+
+    def signature(tool) -> str:
+        try:
+            parameters = get_json_schema(tool)["function"]["parameters"].get("properties", {})
+        except Exception:  # a tool without a docstring TRL could read: its name alone
+            return tool.__name__
+        return f"{tool.__name__}({', '.join(parameters)})"
+
+    config: dict[str, Any] = {"tools": [signature(tool) for tool in tools]}
+    iterations = getattr(trainer.args, "max_tool_calling_iterations", None)
+    if iterations is not None:
+        config["max_tool_calling_iterations"] = iterations
+    for name in ("tool_timeout", "tool_call_threads"):
+        if getattr(trainer.args, name, None) is not None:
+            config[name] = getattr(trainer.args, name)
+    return config
+
+
 def _peft_config(model):
     peft_config = getattr(model, "peft_config", None)
     if not isinstance(peft_config, Mapping) or not peft_config:
@@ -316,7 +340,7 @@ def summarize_trainer(
         async_generation=bool(getattr(args, "async_generation", False)),
         max_staleness=getattr(args, "max_staleness", None),
         reward_functions=reward_names,
-        config=_trainer_config(args, trainer_kind, model),
+        config={**_trainer_config(args, trainer_kind, model), **_tool_config(trainer)},
         log_history=list(trainer.state.log_history),
         global_step=trainer.state.global_step,
         eval_results=eval_results,

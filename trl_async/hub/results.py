@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 EVAL_RESULTS_FILE = "eval.json"  # written by the recipe (`write_eval_results`), read by the card
 PLOT_FILE = "reward_accuracy.png"  # written by the recipe; the card shows it when it is in output_dir
-METRIC_PREFIXES = ("async/", "m2po/")
+METRIC_PREFIXES = ("async/", "m2po/", "tools/")
 
 
 def reward_summary(log_history: Sequence[Mapping]) -> dict:
@@ -27,6 +27,13 @@ def reward_summary(log_history: Sequence[Mapping]) -> dict:
         quarter = len(rewards) // 4
         first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
         summary.update(first_quarter=first, last_quarter=last, gain=last - first)
+    calls = [entry["tools/call_frequency"] for entry in log_history if entry.get("tools/call_frequency") is not None]
+    if len(calls) >= 4:  # runs with tools: TRL's tool calls per completion, first and last quarter
+        quarter = len(calls) // 4
+        summary["tool_call_frequency"] = {
+            "first_quarter": sum(calls[:quarter]) / quarter,
+            "last_quarter": sum(calls[-quarter:]) / quarter,
+        }
     return summary
 
 
