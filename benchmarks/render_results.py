@@ -374,6 +374,62 @@ def summary_docs_style(section: Section) -> list[Row]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------ bench_tools
+
+
+def tools_pairs(data: dict) -> list[dict]:
+    by_pair: dict = {}
+    for run in data["runs"]:
+        by_pair.setdefault(run["pair"], {})[run["arm"]] = run
+    return [p for _, p in sorted(by_pair.items()) if {"sync", "async"} <= set(p)]
+
+
+def tools_speedups(data: dict) -> list[float]:
+    """Training seconds, sync / async, per pair: computed from the runs (never copied from a summary)."""
+    return [p["sync"]["train_s"] / p["async"]["train_s"] for p in tools_pairs(data)]
+
+
+def render_tools(section: Section) -> str:
+    data = section.first
+    pairs = tools_pairs(data)
+    summary = data.get("summary", {})
+    latency = summary.get("tool_latency_ms")
+    out = [
+        "`benchmarks/bench_tools.py`: the docs-style job with a tool (a plain `GRPOConfig` with TRL's defaults, 32 "
+        f"rows a step, {summary.get('steps')} steps, the bundled tools model, `tools=[multiply]` after a sleep of "
+        f"{num(latency, '.0f')} ms per call), run with `GRPOTrainer` (TRL's synchronous tool loop) and with "
+        "`AsyncGRPOTrainer` (tools in the generation process), in alternating fresh processes, both on every core.",
+        "",
+    ]
+    rows = [[i, num(p["sync"]["train_s"], ".1f"), num(p["async"]["train_s"], ".1f"),
+             num(p["sync"]["train_s"] / p["async"]["train_s"], ".2f"),
+             num(p["sync"]["accuracy_after"]["accuracy"]), num(p["async"]["accuracy_after"]["accuracy"])]
+            for i, p in enumerate(pairs)]  # fmt: skip
+    header = ["pair", "GRPOTrainer s", "AsyncGRPOTrainer s", "ratio", "accuracy after (sync)", "(async)"]
+    out += [table(header, rows), ""]
+    out.append(
+        f"- `trainer.train()` seconds, GRPOTrainer / AsyncGRPOTrainer, paired: **{fmt_ratio(tools_speedups(data))}**."
+    )
+    before = summary.get("held_out_accuracy_before") or {}
+    if before:
+        out.append(
+            f"- Held-out greedy accuracy with the tool executed ({before.get('n')} problems): "
+            f"{num(before.get('accuracy'))} before training."
+        )
+    return "\n".join(out)
+
+
+def summary_tools(section: Section) -> list[Row]:
+    latency = section.first.get("summary", {}).get("tool_latency_ms")
+    return [
+        (
+            f"A tool of {num(latency, '.0f')} ms per call (`tools=`), docs-style job: `GRPOTrainer` vs "
+            "`AsyncGRPOTrainer`, training time",
+            f"**{fmt_ratio(tools_speedups(section.first))}**",
+        )
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ bench_async
 
 ASYNC_LABELS = {

@@ -167,6 +167,20 @@ REGISTRY: list[Benchmark] = [
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(
+        "tools",
+        "Tool calls of real latency (`tools=`): `GRPOTrainer` vs `AsyncGRPOTrainer`",
+        "bench_tools.json",
+        {
+            "smoke": "{python} benchmarks/bench_tools.py --pairs 1 --steps 4 --eval-problems 16 "
+            "--output {results}/bench_tools.json",
+            "quick": "{python} benchmarks/bench_tools.py --pairs 2 --output {results}/bench_tools.json",
+            "full": "{python} benchmarks/bench_tools.py --pairs 3 --output {results}/bench_tools.json",
+        },
+        R.render_tools,
+        R.summary_tools,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
         "async_free",
         "`AsyncGRPOTrainer` vs `GRPOTrainer`, free-length completions",
         "bench_async_free.json",

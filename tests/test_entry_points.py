@@ -41,6 +41,7 @@ MAIN_OPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks/bench_before_after.py": ("--before", "--after", "--pairs", "--output"),
     "benchmarks/bench_components.py": ("--repeats", "--output"),
     "benchmarks/bench_docs_style.py": ("--pairs", "--steps", "--output"),
+    "benchmarks/bench_tools.py": ("--pairs", "--steps", "--tool-latency-ms", "--eval-problems", "--output"),
     "benchmarks/bench_is_modes.py": ("--seeds", "--steps", "--staleness", "--quick", "--output"),
     "benchmarks/bench_losses.py": ("--repeats", "--quick", "--shapes", "--contenders", "--device", "--out"),
     "benchmarks/bench_main_job.py": ("--pairs", "--max_steps", "--seeds", "--regime", "--out"),

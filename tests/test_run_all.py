@@ -113,6 +113,20 @@ FIXTURES = {
             for t, s in (("trl", trl), ("async", a))
         ],
     },  # ratios 30/20 = 1.5 and 36/30 = 1.2: median 1.35 [1.20, 1.50]
+    "tools": {
+        # a stale summary ratio: the renderer must compute from the runs
+        "summary": {
+            "steps": 120,
+            "tool_latency_ms": 50.0,
+            "speedup_train_s_sync_over_async": {"median": 9.9},
+            "held_out_accuracy_before": {"accuracy": 0.0, "n": 200},
+        },
+        "runs": [
+            {"arm": arm, "train_s": seconds, "pair": p, "accuracy_after": {"accuracy": 0.1}}
+            for p, (sync, a) in enumerate([(40.0, 20.0), (48.0, 30.0)])
+            for arm, seconds in (("sync", sync), ("async", a))
+        ],
+    },  # ratios 40/20 = 2.0 and 48/30 = 1.6: median 1.80 [1.60, 2.00]
     "async_free": async_bench("free", [20.0, 24.0], [10.0, 16.0]),  # 2.0 and 1.5
     "async_forced64": async_bench("forced64", [40.0], [32.0]),  # 1.25, one repeat
     "components": {
@@ -272,6 +286,7 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "**1.75× [1.50, 2.00] over 2 pairs**" in text  # main job, same cores
     assert "**1.30× [1.10, 1.50] over 2 pairs**" in text  # main job, accelerate launch
     assert "**1.35× [1.20, 1.50] over 2 pairs**" in text  # docs-style script
+    assert "**1.80× [1.60, 2.00] over 2 pairs**" in text  # a tool of 50 ms per call
     assert "9.99" not in text
     assert "+0.010 ± 0.030 (mean ± standard error over 2 seeds)" in text  # accuracy over seeds
     assert "the synchronous gain alone ranges from +0.200 to +0.200" in text

@@ -48,6 +48,16 @@ CHEAP_FLAGS: dict[str, tuple[str, ...]] = {
     "recipes/qwen_math.py": RECIPE_FLAGS,
     "recipes/accelerate_configs/multinode_grpo.py": RECIPE_FLAGS,
     "benchmarks/bench_losses.py": ("--quick", "--shapes", "64x256", "--out", "bench_losses.json"),
+    "benchmarks/bench_tools.py": (
+        "--pairs",
+        "1",
+        "--steps",
+        "2",
+        "--eval-problems",
+        "4",
+        "--output",
+        "bench_tools.json",
+    ),
     "-m tests.support.hub.server": (),
 }
 # Other programs a block names, and why they do not run here (the block's own commands still do).
