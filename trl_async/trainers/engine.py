@@ -118,6 +118,8 @@ class AsyncRolloutMixin(ModelCardMixin):
     Subclasses implement `_prepare_args(bound)` (the config their loss needs, validated) and `_after_scoring(output,
     rewards_per_func)` (what the loss needs beyond TRL's batch dict)."""
 
+    _timeline = disabled()  # the run's recorder replaces it in `train`; a trainer built without __init__ keeps it
+
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         trl_contract.check_hooks(GRPOTrainer)
         collectives.install_if_requested()  # TRL_ASYNC_CHECK_COLLECTIVES=1: every rank's collectives compared
