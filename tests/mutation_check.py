@@ -989,6 +989,15 @@ MUTATIONS = [
         "a collective joined only by ranks whose batch made a tool call; TRL logs the frequencies for every batch",
     ),
     Mutation(
+        "tool_metrics_gather_skipped_on_a_rank_without_calls",
+        "trl_async/trainers/agentic.py",
+        "    if not trainer.tools:\n        return\n",
+        "    if not trainer.tools or not payload.tool_call_count:\n        return\n",
+        (f"{AGENTIC_TEST}::test_two_ranks_one_calling_tools_and_one_never_stay_in_step",),
+        "with two ranks, the one whose batch made no tool call skips the gather the other joins",
+        timeout=600,
+    ),
+    Mutation(
         "environments_reset_by_the_trainer_too",
         "trl_async/trainers/engine.py",
         "environments = contextlib.nullcontext() if batch is None else environments_left_to_the_rollouts(self)",

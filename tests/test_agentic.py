@@ -603,3 +603,36 @@ def test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_ow
     sequential = FirstRoundCalls(threads=1)
     sequential.start([turn("x"), turn("y")], sync_dicts[:2])
     assert sequential.take(0, "search", {"query": "x"}) is None  # one thread: TRL's loop makes every call
+
+
+def test_two_ranks_one_calling_tools_and_one_never_stay_in_step(tmp_path):
+    """`accelerate launch` with two CPU ranks and the collective check on: rank 0's rows reach an environment with a
+    tool and call it, rank 1's reach one without tools and never do. Both train every step, log the same TRL tool
+    frequencies (gathered over both ranks), keep identical replicas, and their tools ran in rank 0's generation
+    process only."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.trainer_utils import free_port
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "agentic_two_ranks.py")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRL_ASYNC_CHECK_COLLECTIVES": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1"}  # fmt: skip
+    proc = subprocess.run([*launcher, script, str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    assert [r["steps"] for r in ranks] == [4, 4]
+    assert ranks[0]["call_frequency"] == ranks[1]["call_frequency"] and sum(ranks[0]["call_frequency"]) > 0
+    assert ranks[0]["param_checksum"] == pytest.approx(ranks[1]["param_checksum"], rel=1e-9)
+    records = [line.split() for line in (tmp_path / "environment.txt").read_text().splitlines()]
+    generator = {k: r["generator_pids"] for k, r in enumerate(ranks)}
+    assert all(len(pids) == 1 for pids in generator.values()) and generator[0] != generator[1]
+    calls = {int(pid) for kind, _, pid in records if kind == "call"}
+    assert calls == set(generator[0])  # only rank 0's generation process ran the tool
+    silent = {int(pid) for kind, name, pid in records if kind == "reset" and name == "Silent"}
+    assert silent == set(generator[1])
+    assert all(pid_is_gone(pid) for pids in generator.values() for pid in pids)
