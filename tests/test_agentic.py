@@ -125,6 +125,13 @@ def test_tools_run_in_the_generation_process_and_the_trainer_trains_on_their_bat
     # ahead of the trainer), so the tool counted at least the calls of the three trained batches of 16 rows.
     assert len(pids) >= round(sum(frequencies) * 16)
     assert len(logged(trainer, "async/tool_s")) == sum(f > 0 for f in frequencies)  # time in tools, where any ran
+    # The timeline shows the calls as busy `tools` spans of the generation process.
+    import json
+
+    events = json.load(open(os.path.join(trainer.args.output_dir, "timeline.json")))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    tools = [e for e in events if e.get("ph") == "X" and e["name"] == "tools"]
+    assert tools and all(e["cat"] == "busy" and names[e["pid"]] == "generator rank 0" for e in tools)
 
 
 def test_tool_metrics_are_logged_for_every_batch_as_trl_logs_them_even_without_a_call(tmp_path):
