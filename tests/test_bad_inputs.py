@@ -130,6 +130,19 @@ class Sandbox:
         raise ValueError("problem bank empty")
 
 
+class QuotaBoundSandbox:
+    """Builds in the trainer (TRL's probe instance), not in the generation process (a child process)."""
+
+    def __init__(self):
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            raise OSError("no sandbox quota left")
+
+    def reset(self, **kwargs):
+        return None
+
+
 def unreachable_agent_server(prompts, trainer):
     raise ConnectionError("agent server unreachable")
 
@@ -442,6 +455,9 @@ CASES = [
     C("environment_reset_raises", "an environment whose `reset` raises",
       lambda u: u.train(environment_factory=Sandbox), GeneratorError,
       ("ValueError", "problem bank empty", "environment (Sandbox).reset"), "batch"),
+    C("environment_factory_raises", "an environment factory that raises in the generation process",
+      lambda u: u.train(environment_factory=QuotaBoundSandbox), GeneratorError,
+      ("OSError", "no sandbox quota left", "environment_factory (QuotaBoundSandbox)"), "batch"),
     C("rollout_func_raises", "a `rollout_func` that raises", lambda u: u.train(rollout_func=unreachable_agent_server),
       GeneratorError, ("ConnectionError", "rollout_func 'unreachable_agent_server'"), "batch"),
     C("rollout_func_reads_the_trainer", "a `rollout_func` reading `trainer.vllm_generation`",
