@@ -893,8 +893,7 @@ MUTATIONS = [
         "tokens_seen_counted_only_for_generator_batches",
         "trl_async/trainers/engine.py",
         "        self._log_completion_lengths(payload)\n",
-        "        if not slot.batch.from_trainer:\n"
-        "            self._log_completion_lengths(payload)\n",
+        "        if not slot.batch.from_trainer:\n            self._log_completion_lengths(payload)\n",
         (f"{DIVERGING_TEST}[late_generator]",),
         "a collective joined only by ranks whose batch came from the generation process (the wave-4 crash's pattern)",
         timeout=600,
@@ -1016,8 +1015,8 @@ MUTATIONS = [
     Mutation(
         "environment_reset_error_unnamed",
         "trl_async/rollout/agentic.py",
-        "            with named_errors(f\"Raised by {what}",
-        "            with named_errors(f\"Raised by the environment",
+        '            with named_errors(f"Raised by {what}',
+        '            with named_errors(f"Raised by the environment',
         bad_input("environment_reset_raises"),
         "an environment whose reset raises ends the run without naming which environment",
     ),

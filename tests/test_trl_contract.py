@@ -339,7 +339,9 @@ def test_trls_tool_loop_returns_its_fields_in_the_contracts_order(tools_tokenize
     from trl_async.toy import tiny_tools_model_path
 
     config = AutoConfig.from_pretrained(tiny_tools_model_path())
-    host = ToolLoopHost(tools_tokenizer, generate_turn, model_config=config, tools=[multiply], max_completion_length=96)
+    host = ToolLoopHost(
+        tools_tokenizer, generate_turn, model_config=config, tools=[multiply], max_completion_length=96
+    )
     host._sync_tool_dicts, host._async_tool_dicts = [{"multiply": multiply}], [{}]
     fields = trl_contract.generate_fields(host.run([[{"role": "user", "content": "What is 3*4?"}]]))
     assert (host.tool_call_count, host.tool_failure_count) == (1, 0)
