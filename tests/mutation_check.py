@@ -997,6 +997,14 @@ MUTATIONS = [
         timeout=600,
     ),
     Mutation(
+        "first_round_tool_calls_one_after_another",
+        "trl_async/rollout/tool_calls.py",
+        "        if self.threads <= 1 or len(calls) < 2:\n",
+        "        if True:\n",
+        (f"{AGENTIC_TEST}::test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_own_errors",),
+        "tool_call_threads is ignored: the generation process waits for each tool call in turn",
+    ),
+    Mutation(
         "environments_reset_by_the_trainer_too",
         "trl_async/trainers/engine.py",
         "environments = contextlib.nullcontext() if batch is None else environments_left_to_the_rollouts(self)",

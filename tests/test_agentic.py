@@ -593,6 +593,8 @@ def test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_ow
         return [{"role": "assistant", "content": "", "tool_calls": calls}] if queries else [{"role": "assistant"}]
 
     completions = [turn("a", "b"), turn("broken"), turn(), turn("c")]
+    # A call whose arguments do not unpack fails in TRL's loop before any tool is called: it is not made here either.
+    completions[3][0]["tool_calls"].insert(0, {"type": "function", "function": {"name": "search", "arguments": "c"}})
     started = time.monotonic()
     first_round.start(completions, sync_dicts)
     # TRL's loop: row by row, each row's calls in order.

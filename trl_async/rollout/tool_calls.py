@@ -149,8 +149,11 @@ class FirstRoundCalls:
     def start(self, completions: list, sync_dicts: list[dict]) -> None:
         self._rows = {}
         calls = [(row, turn[0].get("tool_calls")) for row, turn in enumerate(completions)]
-        calls = [(row, [c["function"] for c in cs if c.get("type") == "function" and c["function"]["name"] in
-                        sync_dicts[row]]) for row, cs in calls if cs]  # fmt: skip
+        # The calls TRL's loop makes through a sync tool: a function call of a known name whose arguments unpack
+        # (`tool(**arguments)`); any other fails in TRL's loop before a tool is called, and is left to it.
+        calls = [(row, [c["function"] for c in cs if c.get("type") == "function" and isinstance(c.get("function"), dict)
+                        and c["function"].get("name") in sync_dicts[row]
+                        and isinstance(c["function"].get("arguments"), dict)]) for row, cs in calls if cs]  # fmt: skip
         calls = [(row, functions) for row, functions in calls if functions]
         if self.threads <= 1 or len(calls) < 2:
             return  # nothing to overlap
