@@ -95,7 +95,9 @@ def probe_environment(regime: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(THREAD_PROBE + "\n")
     try:
-        proc = subprocess.run([*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(regime), cwd=ROOT)
+        proc = subprocess.run(
+            [*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(regime), cwd=ROOT
+        )
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:

@@ -653,4 +653,4 @@ def test_timeline_false_records_nothing(tmp_path):
     )  # fmt: skip
     trainer.train()
     out = pathlib.Path(args.output_dir)
-    assert not (out / "timeline.json").exists() and not (out / "timeline-fragments").exists()
+    assert not (out / "timeline.json").exists() and not (out / "_timeline-fragments").exists()

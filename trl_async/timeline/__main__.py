@@ -12,7 +12,7 @@ from .trace import resolve
 
 DESCRIPTION = """\
 Summarize a run's timeline (OUTPUT_DIR/timeline.json, written by the trainer; or the fragments under
-OUTPUT_DIR/timeline-fragments/ of a run that stopped before writing it, merged first) and draw a Gantt chart.
+OUTPUT_DIR/_timeline-fragments/ of a run that stopped before writing it, merged first) and draw a Gantt chart.
 
 Prints, over each process's recorded steps: its busy fraction; per rank, the overlap (time trainer and generator
 are both busy, over the wall time); the top idle causes (named wait spans and untracked gaps, by total time); the

@@ -1,6 +1,6 @@
-"""Fragments in, one Chrome trace out: `OUTPUT_DIR/timeline-fragments/*.jsonl` -> `OUTPUT_DIR/timeline.json`.
+"""Fragments in, one Chrome trace out: `OUTPUT_DIR/_timeline-fragments/*.jsonl` -> `OUTPUT_DIR/timeline.json`.
 
-**Fragments.** Each process appends to its own file, `timeline-fragments/{role}-rank{rank}.jsonl` (`Recorder.flush`):
+**Fragments.** Each process appends to its own file, `_timeline-fragments/{role}-rank{rank}.jsonl` (`Recorder.flush`):
 a first line `{"header": {...}}` (role, rank, world size, OS pid, host, boot id, cores, sampling policy, one
 (monotonic, Unix) clock pair), then one line per flush: `{"spans": [[name, category, start_ns, end_ns(, cpu_ns)]],
 "instants": [[name, ns]], "steps": [[step, start_ns, end_ns, cpu_ns]], "truncated": bool}`, times on the process's
@@ -31,7 +31,8 @@ import time
 
 from .names import ROLES, STEP, TRAINER
 
-FRAGMENT_DIR = "timeline-fragments"
+# The leading underscore: a folder of the run's internals, which `Trainer.push_to_hub` leaves out of the upload.
+FRAGMENT_DIR = "_timeline-fragments"
 TIMELINE_FILE = "timeline.json"
 SPAN_TID, STEP_TID, OVERLAP_TID = 1, 2, 3
 TRACE_FORMAT = 1
