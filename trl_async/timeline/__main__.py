@@ -29,6 +29,7 @@ def format_summary(summary: dict) -> str:
             f"  {label:<20} {100 * figures['busy_fraction']:5.1f}% of {figures['recorded_s']:.3f} s "
             f"({figures['steps_recorded']} steps recorded)"
             + ("" if cpu is None else f", CPU {100 * cpu:.1f}% of cores")
+            + ("" if not figures.get("peak_rss_bytes") else f", peak RSS {figures['peak_rss_bytes'] / 2**20:.0f} MiB")
             + (" [recording stopped early: max_events]" if figures["truncated"] else "")
         )
     if summary["overlap"]:
