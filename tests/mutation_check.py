@@ -868,6 +868,14 @@ MUTATIONS = [
         ("tests/test_importance_trainer.py",),
         "VESPO's weight multiplies the advantages instead of entering φ as TRL's importance_sampling_ratio",
     ),
+    Mutation(
+        "weight_store_sends_a_buffer_per_tensor",
+        "trl_async/rollout/weights.py",
+        "name: self._flat[dtype][offset : offset + math.prod(shape)].view(shape)",
+        "name: self._flat[dtype][offset : offset + math.prod(shape)].view(shape).clone().share_memory_()",
+        ("tests/test_weights.py::test_a_store_of_hundreds_of_tensors_reaches_a_fork_server_child",),
+        "the store pickles every tensor's view: a fork server refuses the >256 file descriptors of a 0.5B model's base",
+    ),
     # --------------------------------------------------------------------------------------- several processes
     Mutation(
         "start_up_batch_skips_the_eviction_agreement",
