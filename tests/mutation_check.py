@@ -780,7 +780,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ctrl_c_during_a_save_reported_as_a_failed_write",
-        "trl_async/checkpoints.py",
+        "trl_async/trainers/checkpoints.py",
         "    except Exception as error:\n        previous = last_complete_checkpoint(run_dir)",
         "    except BaseException as error:\n        previous = last_complete_checkpoint(run_dir)",
         ("tests/test_faults.py::test_ctrl_c_while_the_weights_are_written",),
