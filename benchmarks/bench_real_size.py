@@ -17,7 +17,7 @@ Every other figure of this project is on the bundled 1M-parameter model. This on
 Both arms run `python recipes/qwen_math.py` in fresh processes with OMP_NUM_THREADS and MKL_NUM_THREADS removed (both
 on every core: the synchronous arm's torch uses both, the asynchronous arm splits them between its trainer and its
 generation process), the synchronous one with `--async_generation false`, alternating. Recorded per run, from the
-run's timeline (`trl_async.timeline`): the step time (median over the steps after the first two), the peak resident
+run's timeline (`trl_async.timeline`, kept beside the results as `bench_real_size.pair<P>-<mode>.timeline.json`): the step time (median over the steps after the first two), the peak resident
 memory of the trainer and of the generation process, the LoRA publish time per step (`async/weight_sync_s`), and, from
 the synchronous run's timeline, the limit of overlapping its generation with its training. Writes
 benchmarks/results/bench_real_size.json (or --out).
@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def build_model(folder: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_once(mode: str, model_dir: str, output_dir: str, steps: int, completion_length: int) -> dict:
+def run_once(mode: str, model_dir: str, output_dir: str, steps: int, completion_length: int, keep: str | None) -> dict:
     config = os.path.join(output_dir + "-config.yaml")
     import yaml
 
@@ -98,6 +99,8 @@ def run_once(mode: str, model_dir: str, output_dir: str, steps: int, completion_
         raise RuntimeError(f"{mode} run failed:\n{proc.stderr[-4000:]}")
     summary = json.load(open(os.path.join(output_dir, "reward_summary.json")))
     history = json.load(open(os.path.join(output_dir, "trainer_state.json")))["log_history"]
+    if keep:  # the run's timeline beside the results (`python -m trl_async.timeline` reads it)
+        shutil.copyfile(os.path.join(output_dir, "timeline.json"), keep)
     return {"mode": mode, "train_seconds": summary["seconds"], "wall_seconds": round(wall, 1),
             **timeline_figures(output_dir, mode, history)}  # fmt: skip
 
@@ -144,8 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"model: {parameters:,} parameters (random weights), Qwen's tokenizer", flush=True)
         for pair in range(args.pairs):
             for mode in ("async", "sync") if pair % 2 == 0 else ("sync", "async"):
+                keep = os.path.splitext(args.out)[0] + f".pair{pair}-{mode}.timeline.json"
                 run = run_once(mode, model_dir, os.path.join(tmp, f"pair{pair}-{mode}"), args.steps,
-                               args.completion_length)  # fmt: skip
+                               args.completion_length, keep)  # fmt: skip
+                run["timeline_file"] = os.path.basename(keep)
                 run["pair"] = pair
                 runs.append(run)
                 print(f"pair {pair} {mode:5s}: step {run['step_seconds_median']:.1f} s, training "
