@@ -8,7 +8,15 @@ free-length completions up to 512 tokens, logging every 10 steps) with 32 rows a
 reward, and no thread settings (OMP_NUM_THREADS is removed from the runs' environment). Each run is a fresh process;
 the two trainers alternate (trl, async, trl, async, ...) so machine noise hits both alike. Reported: the seconds of
 `trainer.train()` (which includes the generation process's start-up for the async trainer) and process wall time,
-the median of each, and the paired ratios (sync seconds / async seconds per pair: median, min, max).
+the median of each, and the paired ratios (sync seconds / async seconds per pair: median, min, max); the held-out
+greedy accuracy of each run (200 arithmetic problems, never trained on) and its async - sync difference per pair.
+
+**The limit.** Before the pairs, one run of `AsyncGRPOTrainer` with `async_generation=False` (TRL's synchronous loop,
+with the run's timeline recorded) gives what overlapping generation with training could give at most
+(`trl_async.timeline.sync_limit`): (generation + training) / max(generation, training), and on CPU the same bounded
+by the cores the two stages keep busy where the spans carry CPU time, and the fraction of core-seconds the run keeps
+busy. Each asynchronous run's timeline gives where its time went (busy fractions,
+overlap, idle causes, the generation process's start-up), recorded in the results.
 
 Cores: both trainers get the same cores. Each run is `python benchmarks/docs_style_grpo.py` with OMP_NUM_THREADS and
 MKL_NUM_THREADS removed (no launcher that sets them): GRPOTrainer computes on every core with torch's default thread
@@ -32,29 +40,51 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
 
-def one_run(trainer: str, model_path: str, data_file: str, steps: int) -> dict:
+def one_run(trainer: str, model_path: str, data_file: str, steps: int, held_out_file: str | None = None) -> dict:
+    """One fresh process of `docs_style_grpo.py`: its training seconds, wall seconds, rewards, held-out accuracy and,
+    where it recorded one, its timeline's figures (`trl_async.timeline.summarize`; `sync_limit` for `limit`)."""
     with tempfile.TemporaryDirectory() as out:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=os.path.dirname(HERE))
+        command = [sys.executable, os.path.join(HERE, "docs_style_grpo.py"), trainer, model_path, data_file, out,
+                   str(steps), *([held_out_file] if held_out_file else [])]  # fmt: skip
         start = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, os.path.join(HERE, "docs_style_grpo.py"), trainer, model_path, data_file, out, str(steps)],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{trainer} run failed:\n{proc.stderr[-4000:]}")
         with open(os.path.join(out, "result.json")) as f:
             result = json.load(f)
+        timeline = timeline_figures(out, sync=trainer == "limit")
     rewards = [h["reward"] for h in result["log_history"] if "reward" in h]
     last = [h for h in result["log_history"] if "async/staleness_mean" in h]
     return {
         "trainer": trainer,
         "train_s": result["train_s"],
         "wall_s": wall,
+        "held_out_accuracy": result.get("held_out_accuracy"),
         "rewards": rewards,
         "async_last_log": last[-1] if last else None,
+        "timeline": timeline,
     }
+
+
+def timeline_figures(output_dir: str, sync: bool) -> dict | None:
+    """The run's timeline, summarized (None without one: TRL's own trainer records none)."""
+    from trl_async import timeline
+
+    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
+        return None
+    summary = timeline.summarize(output_dir)
+    figures = {
+        "busy_fraction": {name: p["busy_fraction"] for name, p in summary["processes"].items()},
+        "overlap_fraction": {str(rank): o["fraction"] for rank, o in summary["overlap"].items()},
+        "idle_causes": summary["idle_causes"][:5],
+        "startup": summary["startup"],
+    }
+    if sync:
+        figures["limit"] = timeline.sync_limit(output_dir)
+    return figures
 
 
 def main(argv=None):
@@ -69,14 +99,21 @@ def main(argv=None):
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        data_file = os.path.join(tmp, "prompts.jsonl")
-        make_arithmetic_dataset(num_train=2000, num_test=8, seed=0)["train"].to_json(data_file)
+        data_file, held_out_file = os.path.join(tmp, "prompts.jsonl"), os.path.join(tmp, "held_out.jsonl")
+        splits = make_arithmetic_dataset(num_train=2000, num_test=200, seed=0)
+        splits["train"].to_json(data_file)
+        splits["test"].to_json(held_out_file)
+        limit_run = one_run("limit", tiny_model_path(), data_file, args.steps)
+        limit = limit_run["timeline"]["limit"]
+        print(f"limit (from a synchronous run's timeline): ideal {limit['ideal_overlap_ratio']:.2f}x; "
+              f"core-seconds busy {limit.get('core_busy_fraction', float('nan')):.0%}", flush=True)  # fmt: skip
         for pair in range(args.pairs):
-            for trainer in ("trl", "async"):
-                run = one_run(trainer, tiny_model_path(), data_file, args.steps)
+            for trainer in ("trl", "async") if pair % 2 == 0 else ("async", "trl"):
+                run = one_run(trainer, tiny_model_path(), data_file, args.steps, held_out_file)
                 run["pair"] = pair
                 runs.append(run)
-                print(f"pair {pair} {trainer:5s} train {run['train_s']:6.1f}s  wall {run['wall_s']:6.1f}s", flush=True)
+                print(f"pair {pair} {trainer:5s} train {run['train_s']:6.1f}s  wall {run['wall_s']:6.1f}s  "
+                      f"held-out {run['held_out_accuracy']:.3f}", flush=True)  # fmt: skip
 
     def median(trainer, key):
         return statistics.median(r[key] for r in runs if r["trainer"] == trainer)
@@ -86,8 +123,16 @@ def main(argv=None):
         / next(r for r in runs if r["pair"] == p and r["trainer"] == "async")["train_s"]
         for p in range(args.pairs)
     ]
+    accuracy_gaps = [
+        next(r for r in runs if r["pair"] == p and r["trainer"] == "async")["held_out_accuracy"]
+        - next(r for r in runs if r["pair"] == p and r["trainer"] == "trl")["held_out_accuracy"]
+        for p in range(args.pairs)
+    ]
     summary = {
         "steps": args.steps,
+        "limit": limit,
+        "held_out_accuracy_async_minus_sync_per_pair": accuracy_gaps,
+        "held_out_accuracy_async_minus_sync_mean": statistics.mean(accuracy_gaps),
         "pairs": args.pairs,
         "trl_train_s_median": median("trl", "train_s"),
         "async_train_s_median": median("async", "train_s"),
@@ -102,7 +147,7 @@ def main(argv=None):
     print(json.dumps(summary, indent=2))
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"summary": summary, "runs": runs}, f, indent=2)
+        json.dump({"summary": summary, "limit_run": limit_run, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,14 @@ Cores (`--regime`): both arms must be given the same cores, or the ratio measure
 * `omp_num_threads_2`: `OMP_NUM_THREADS=2 python recipes/qwen_math.py`, a user who set a thread count (2 on the
   2-core machine). The synchronous arm's torch uses 2 threads; the asynchronous arm's trainer and generation process
   share that budget (issue 25's thread budget) instead of each taking it.
+* `two_processes`: `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/qwen_math.py`, the
+  job on two CPU ranks (each with its own generation process in the asynchronous arm). The launcher exports
+  OMP_NUM_THREADS=1 to each rank, in both arms: the synchronous arm's two ranks take the two cores, the asynchronous
+  arm's two trainers and two generation processes share them.
+
+Each run records its timeline (`trl_async.timeline`): the asynchronous run's says where its time went, the
+synchronous run's (the same trainer with `async_generation=False`) gives the limit of overlapping its generation with
+its training, (generation + training) / max(generation, training), reported beside the measured ratio.
 Before the runs, a probe started through the same launcher with the same environment records what the recipe sees
 (OMP_NUM_THREADS, torch's thread count, the usable cores): `environment` in the JSON.
 
@@ -60,18 +68,25 @@ LAUNCHERS = {
     "accelerate_launch": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
                           "--mixed_precision", "no", "--dynamo_backend", "no"],
     "omp_num_threads_2": [sys.executable],
+    "two_processes": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                      "--mixed_precision", "no", "--dynamo_backend", "no"],
 }  # fmt: skip
 # The thread settings each regime puts in the environment (after removing the user's).
-REGIME_THREADS = {"same_cores": {}, "accelerate_launch": {}, "omp_num_threads_2": {"OMP_NUM_THREADS": "2"}}
+REGIME_THREADS = {"same_cores": {}, "accelerate_launch": {}, "omp_num_threads_2": {"OMP_NUM_THREADS": "2"},
+                  "two_processes": {}}  # fmt: skip
+# Other settings a regime puts in the environment: two CPU ranks under `accelerate launch` need ACCELERATE_USE_CPU.
+REGIME_ENV = {"two_processes": {"ACCELERATE_USE_CPU": "1"}}
 COMMANDS = {
     "same_cores": "python recipes/qwen_math.py",
     "accelerate_launch": "accelerate launch recipes/qwen_math.py",
     "omp_num_threads_2": "OMP_NUM_THREADS=2 python recipes/qwen_math.py",
+    "two_processes": "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/qwen_math.py",
 }
 DEFAULT_OUT = {
     "same_cores": "bench_main_job.json",
     "accelerate_launch": "bench_main_job_accelerate.json",
     "omp_num_threads_2": "bench_main_job_omp2.json",
+    "two_processes": "bench_main_job_two_processes.json",
 }
 # What the recipe sees, printed by a script started exactly like the recipe.
 THREAD_PROBE = (
@@ -85,6 +100,7 @@ def run_env(regime: str = "same_cores") -> dict:
     """The environment of every run: the user's without thread settings, plus those the regime sets."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update(REGIME_THREADS[regime])
+    env.update(REGIME_ENV.get(regime, {}))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return env
@@ -95,7 +111,9 @@ def probe_environment(regime: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(THREAD_PROBE + "\n")
     try:
-        proc = subprocess.run([*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(regime), cwd=ROOT)
+        proc = subprocess.run(
+            [*LAUNCHERS[regime], f.name], capture_output=True, text=True, env=run_env(regime), cwd=ROOT
+        )
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
@@ -124,6 +142,7 @@ def run_once(
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
     summary = json.load(open(os.path.join(output_dir, "reward_summary.json")))
+    timeline = timeline_figures(output_dir, sync=mode == "sync")
     eval_path = os.path.join(output_dir, "eval.json")
     results = json.load(open(eval_path)) if os.path.exists(eval_path) else None
     return {
@@ -137,7 +156,27 @@ def run_once(
         "accuracy_before": results["before"]["accuracy"] if results else None,
         "accuracy_after": results["after"]["accuracy"] if results else None,
         "eval_samples": results["num_samples"] if results else None,
+        "timeline": timeline,
     }
+
+
+def timeline_figures(output_dir: str, sync: bool) -> dict | None:
+    """The run's timeline (`trl_async.timeline`), summarized: where the time went; for the synchronous run (the same
+    trainer with `async_generation=False`), the limit of overlapping its generation with its training."""
+    from trl_async import timeline
+
+    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
+        return None
+    summary = timeline.summarize(output_dir)
+    figures = {
+        "busy_fraction": {name: p["busy_fraction"] for name, p in summary["processes"].items()},
+        "overlap_fraction": {str(rank): o["fraction"] for rank, o in summary["overlap"].items()},
+        "idle_causes": summary["idle_causes"][:5],
+        "startup": summary["startup"],
+    }
+    if sync:
+        figures["limit"] = timeline.sync_limit(output_dir)
+    return figures
 
 
 def ratio_stats(values: list[float]) -> dict:
@@ -165,6 +204,11 @@ def summarize(runs: list[dict]) -> dict:
         summary["reward_gain_async_minus_sync"] = ratio_stats(
             [by_pair[p]["async"]["reward_gain"] - by_pair[p]["sync"]["reward_gain"] for p in pairs]
         )
+    limits = [
+        r["timeline"]["limit"]["ideal_overlap_ratio"] for r in runs if r["timeline"] and "limit" in r["timeline"]
+    ]
+    if limits:  # from each synchronous run's timeline: what overlapping its generation with its training could give
+        summary["limit_ideal_overlap_ratio"] = ratio_stats(limits)
     if all(r["accuracy_after"] is not None for r in runs):  # held-out greedy accuracy at the end, paired by seed
         summary["accuracy_after_async_minus_sync"] = ratio_stats(
             [by_pair[p]["async"]["accuracy_after"] - by_pair[p]["sync"]["accuracy_after"] for p in pairs]
@@ -235,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         default="same_cores",
         help="same_cores: `python recipes/qwen_math.py`, both arms on every core (the headline); accelerate_launch: "
         "`accelerate launch recipes/qwen_math.py`, whose launcher gives the synchronous arm one core; "
-        "omp_num_threads_2: `OMP_NUM_THREADS=2 python recipes/qwen_math.py`",
+        "omp_num_threads_2: `OMP_NUM_THREADS=2 python recipes/qwen_math.py`; two_processes: two CPU ranks under "
+        "`accelerate launch --multi_gpu --num_processes 2` (one thread each, from the launcher, in both arms)",
     )
     parser.add_argument(
         "--recipe_args", default="", help="further recipe arguments for every run, e.g. '--eval_max_samples 50'"

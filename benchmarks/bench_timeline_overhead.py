@@ -21,6 +21,7 @@ most 0.1%, and at the end. An end-to-end measurement on a real run comes with th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -124,7 +125,12 @@ def merge_seconds(folder: str, num_steps: int = 10_000) -> tuple[float, int]:
     return time.perf_counter() - start, os.path.getsize(path)
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--output", default=os.path.join(HERE, "results", "bench_timeline_overhead.json"), help="where to write"
+    )
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         kept = Recorder(names.TRAINER, 0, fragment_path=os.path.join(folder, "kept.jsonl"))
         dropped = Recorder(names.TRAINER, 0, policy=SamplingPolicy(full_steps=0, every=10, burst=0))
@@ -176,8 +182,8 @@ def main() -> dict:
             f"step of {step_s} s: recording {100 * figures['recording_fraction']:.4f}% of the step; with that merge every "
             f"{merge_every_s:.0f} s, {100 * figures['with_merges_fraction']:.3f}% (budget: 1%)"
         )
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_timeline_overhead.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
     return report

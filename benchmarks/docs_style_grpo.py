@@ -1,7 +1,9 @@
 # A GRPO script written the way TRL's documentation writes one: a prompt dataset, a text reward function, a plain
 # GRPOConfig (TRL's defaults except the batch and step counts, and bf16=False for a CPU), a model given by path, no thread settings.
 # `benchmarks/bench_docs_style.py` runs it with TRL's GRPOTrainer and, with only the class name swapped, with
-# AsyncGRPOTrainer. Usage: python docs_style_grpo.py {trl,async} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS]
+# AsyncGRPOTrainer; `limit` is AsyncGRPOTrainer with `async_generation=False` (TRL's synchronous loop, with the
+# timeline recorded: where the limit of overlapping generation and training comes from).
+# Usage: python docs_style_grpo.py {trl,async,limit} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS] [HELD_OUT_JSONL]
 import json
 import os
 import sys
@@ -12,13 +14,20 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_async import AsyncGRPOTrainer
 
-USAGE = "usage: python docs_style_grpo.py {trl,async} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS]"
-if len(sys.argv) not in (5, 6) or sys.argv[1] not in ("trl", "async"):  # --help or a wrong call: the usage line
+USAGE = (
+    "usage: python docs_style_grpo.py {trl,async,limit} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS] [HELD_OUT_JSONL]"
+)
+if len(sys.argv) not in (5, 6, 7) or sys.argv[1] not in (
+    "trl",
+    "async",
+    "limit",
+):  # --help or a wrong call: the usage line
     asked = sys.argv[1:] in (["-h"], ["--help"])
     print(USAGE, file=sys.stdout if asked else sys.stderr)
     raise SystemExit(0 if asked else 2)
 trainer_name, model_path, data_file, output_dir = sys.argv[1:5]
 max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 120
+held_out_file = sys.argv[6] if len(sys.argv) > 6 else None
 dataset = load_dataset("json", data_files=data_file, split="train")
 
 
@@ -35,11 +44,20 @@ training_args = GRPOConfig(
     report_to="none",
     bf16=False,  # CPU
 )
+if trainer_name == "limit":
+    training_args.async_generation = False  # AsyncGRPOTrainer's synchronous path: TRL's loop, recorded
 trainer_class = GRPOTrainer if trainer_name == "trl" else AsyncGRPOTrainer
 trainer = trainer_class(model=model_path, reward_funcs=correct_answer, args=training_args, train_dataset=dataset)
 start = time.perf_counter()
 trainer.train()
 train_s = time.perf_counter() - start
 
+held_out_accuracy = None
+if held_out_file:  # the benchmark's measurement, not part of the user's script: greedy accuracy after training
+    from trl_async.toy import greedy_accuracy
+
+    held_out = load_dataset("json", data_files=held_out_file, split="train")
+    held_out_accuracy = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
 with open(os.path.join(output_dir, "result.json"), "w") as f:
-    json.dump({"trainer": type(trainer).__name__, "train_s": train_s, "log_history": trainer.state.log_history}, f)
+    json.dump({"trainer": type(trainer).__name__, "train_s": train_s, "held_out_accuracy": held_out_accuracy,
+               "log_history": trainer.state.log_history}, f)  # fmt: skip

@@ -138,6 +138,12 @@ REGIME_TEXT = {
         "2 on the 2-core machine): the synchronous run's torch uses 2 threads, and the asynchronous run's trainer "
         "and generation process share that budget of 2."
     ),
+    "two_processes": (
+        "Both runs are started with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 "
+        "recipes/qwen_math.py` and OMP_NUM_THREADS unset: two CPU ranks, to which the launcher exports "
+        "OMP_NUM_THREADS=1. The synchronous run's two ranks take the two cores; the asynchronous run's two trainers and "
+        "their two generation processes share the same two cores."
+    ),
 }
 
 
@@ -197,6 +203,9 @@ def render_main_job(section: Section) -> str:
         f"medians {med['async']:.1f} s asynchronous, {med['sync']:.1f} s synchronous."
     )
     out.append(f"- Whole command (wall), paired: {fmt_ratio(wall)}.")
+    limit = limit_text(data.get("summary", {}).get("limit_ideal_overlap_ratio"))
+    if limit:
+        out.append(f"- {limit}")
     gains = {m: [p[m]["reward_gain"] for p in pairs if p[m].get("reward_gain") is not None] for m in ("async", "sync")}
     if gains["async"] and gains["sync"]:
         out.append(
@@ -225,6 +234,18 @@ def render_main_job(section: Section) -> str:
     return "\n".join(out + (["", pictures] if pictures else []))
 
 
+def limit_text(limit: dict | None) -> str | None:
+    """The limit of a speed row, from synchronous runs' timelines (`trl_async.timeline.sync_limit`)."""
+    if not limit:
+        return None
+    values = limit.get("values", [])
+    spread = f" [{limit['min']:.2f}, {limit['max']:.2f}] over {len(values)} runs" if len(values) > 1 else ""
+    return (
+        f"The limit, from the synchronous runs' timelines: (generation + training) / max(generation, training) = "
+        f"{limit['median']:.2f}×{spread}, what overlapping the two stages could give at most"
+    )
+
+
 def summary_main_job(section: Section) -> list[Row]:
     data = section.first
     pairs = main_job_pairs(data)
@@ -236,8 +257,12 @@ def summary_main_job(section: Section) -> list[Row]:
         "on a CPU-only machine)",
         "omp_num_threads_2": "The same with `OMP_NUM_THREADS=2` set by the user (both runs share a budget of 2 "
         "threads)",
+        "two_processes": "The same on two CPU ranks (`accelerate launch --multi_gpu --num_processes 2`, both runs on "
+        "the same two cores)",
     }[main_job_regime(data)]
-    return [(what, f"**{fmt_ratio(main_job_speedups(data))}** ({med['async']:.0f} s vs {med['sync']:.0f} s)")]
+    limit = data.get("summary", {}).get("limit_ideal_overlap_ratio")
+    limit = f"; limit {limit['median']:.2f}×" if limit else ""
+    return [(what, f"**{fmt_ratio(main_job_speedups(data))}** ({med['async']:.0f} s vs {med['sync']:.0f} s{limit})")]
 
 
 def seed_pairs(section: Section) -> list[dict]:
@@ -349,6 +374,20 @@ def render_docs_style(section: Section) -> str:
             f"- Mean logged reward of the last quarter of logs: GRPOTrainer {fmt_mean_se(rewards['trl'])}, "
             f"AsyncGRPOTrainer {fmt_mean_se(rewards['async'])} ({se_note(len(pairs), 'run')})."
         )
+    limit = data.get("summary", {}).get("limit")
+    if limit:
+        out.append(
+            f"- The limit, from a synchronous run's timeline (`AsyncGRPOTrainer` with `async_generation=False`): "
+            f"(generation + training) / max(generation, training) = {limit['ideal_overlap_ratio']:.2f}×"
+            + (f"; the run kept {limit['core_busy_fraction']:.0%} of its core-seconds busy" if "core_busy_fraction"
+               in limit else "") + "."
+        )  # fmt: skip
+    gaps = data.get("summary", {}).get("held_out_accuracy_async_minus_sync_per_pair")
+    if gaps:
+        out.append(
+            f"- Held-out greedy accuracy after training (200 problems), asynchronous − synchronous per pair: "
+            f"{', '.join(f'{g:+.3f}' for g in gaps)} (mean {statistics.mean(gaps):+.3f})."
+        )
     logs = [p["async"].get("async_last_log") for p in pairs if p["async"].get("async_last_log")]
     if logs:
         out += [
@@ -369,7 +408,12 @@ def summary_docs_style(section: Section) -> list[Row]:
             f"A TRL-docs-style GRPO script (plain `GRPOConfig`, {section.first.get('summary', {}).get('steps')} "
             "steps), `GRPOTrainer` vs `AsyncGRPOTrainer`, "
             "both on every core: training time",
-            f"**{fmt_ratio(docs_style_speedups(section.first))}**",
+            f"**{fmt_ratio(docs_style_speedups(section.first))}**"
+            + (
+                f" (limit {limit['ideal_overlap_ratio']:.2f}×)"
+                if (limit := section.first.get("summary", {}).get("limit"))
+                else ""
+            ),
         )
     ]
 

@@ -136,6 +136,19 @@ REGISTRY: list[Benchmark] = [
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(
+        "main_job_two_processes",
+        "The main job on two CPU ranks (`accelerate launch --multi_gpu --num_processes 2`)",
+        "bench_main_job_two_processes.json",
+        {
+            "smoke": f"{MAIN_JOB} --regime two_processes --pairs 1 {SMOKE_RECIPE} "
+            "--out {results}/bench_main_job_two_processes.json",
+            "full": f"{MAIN_JOB} --regime two_processes --pairs 3 --out {{results}}/bench_main_job_two_processes.json",
+        },
+        R.render_main_job,
+        R.summary_main_job,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
         "main_job_seeds",
         "The main job over seeds: learning, asynchronous vs synchronous",
         "bench_main_job_seeds.json",

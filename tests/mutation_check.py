@@ -769,6 +769,26 @@ MUTATIONS = [
         "SIGTERM kills the trainer at once: no cleanup, no exit message, the generation process left to die with it",
     ),
     Mutation(
+        "ctrl_c_ignored_during_a_save",
+        "trl_async/trainers/engine.py",
+        "            try:\n                super()._save_checkpoint(model, trial)\n            finally:\n"
+        "                self.args.save_total_limit = limit\n",
+        "            sigint = __import__('signal').signal(2, __import__('signal').SIG_IGN)\n"
+        "            try:\n                super()._save_checkpoint(model, trial)\n            finally:\n"
+        "                self.args.save_total_limit = limit\n                __import__('signal').signal(2, sigint)\n",
+        ("tests/test_faults.py::test_ctrl_c_while_the_weights_are_written",),
+        "a Ctrl-C during a save is dropped (SIGINT ignored so that the checkpoint is not cut short): the run goes on, "
+        "saves and exits 0 as if it had finished",
+    ),
+    Mutation(
+        "ctrl_c_during_a_save_reported_as_a_failed_write",
+        "trl_async/trainers/checkpoints.py",
+        "    except Exception as error:\n        previous = last_complete_checkpoint(run_dir)",
+        "    except BaseException as error:\n        previous = last_complete_checkpoint(run_dir)",
+        ("tests/test_faults.py::test_ctrl_c_while_the_weights_are_written",),
+        "a Ctrl-C during a save ends the run as a CheckpointSaveError (exit 1, 'free space'), not as a Ctrl-C",
+    ),
+    Mutation(
         "partial_checkpoint_counts_as_complete",
         "trl_async/trainers/checkpoints.py",
         "return os.path.isfile(os.path.join(folder, TRAINER_STATE_FILE)) and not os.path.lexists(incomplete_marker(folder))",
@@ -869,6 +889,14 @@ MUTATIONS = [
         'if loss_type == "no such loss":',
         ("tests/test_importance_trainer.py",),
         "VESPO's weight multiplies the advantages instead of entering φ as TRL's importance_sampling_ratio",
+    ),
+    Mutation(
+        "weight_store_sends_a_buffer_per_tensor",
+        "trl_async/rollout/weights.py",
+        "name: self._flat[dtype][offset : offset + math.prod(shape)].view(shape)",
+        "name: self._flat[dtype][offset : offset + math.prod(shape)].view(shape).clone().share_memory_()",
+        ("tests/test_weights.py::test_a_store_of_hundreds_of_tensors_reaches_a_fork_server_child",),
+        "the store pickles every tensor's view: a fork server refuses the >256 file descriptors of a 0.5B model's base",
     ),
     # --------------------------------------------------------------------------------------- several processes
     Mutation(

@@ -247,10 +247,11 @@ def test_recipe_push_reload_and_the_trainers_own_push(hub, tmp_path):
     expected = {
         ".gitattributes", "README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
         "tokenizer_config.json", "chat_template.jinja", "training_args.bin", "eval.json", "reward_summary.json",
-        "trainer_state.json", "reward_accuracy.png",
+        "trainer_state.json", "reward_accuracy.png", "timeline.json", "timeline.png",
     }  # fmt: skip
-    assert set(files) == expected
-    assert hub.lfs_paths(repo) == {"adapter_model.safetensors", "training_args.bin", "reward_accuracy.png"}
+    assert set(files) == expected  # the timeline's fragments (`_timeline-fragments/`) stay out
+    assert hub.lfs_paths(repo) == {"adapter_model.safetensors", "training_args.bin", "reward_accuracy.png",
+                                   "timeline.png"}  # fmt: skip
     assert files["adapter_model.safetensors"] == (output_dir / "adapter_model.safetensors").read_bytes()
     adapter_config = json.loads(files["adapter_config.json"])
     assert adapter_config["r"] == 8 and adapter_config["lora_alpha"] == 16

@@ -205,6 +205,9 @@ FIXTURES = {
     "main_job_omp2": main_job(
         [(40.0, 60.0, 0.6, 0.5), (50.0, 70.0, 0.6, 0.5)], regime="omp_num_threads_2"
     ),  # 1.5, 1.4
+    "main_job_two_processes": main_job(
+        [(40.0, 64.0, 0.6, 0.5), (50.0, 65.0, 0.6, 0.5)], regime="two_processes"
+    ),  # 1.6, 1.3
     "staleness": {
         "regime": "a tiny regime",
         "cells": {

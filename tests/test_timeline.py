@@ -639,6 +639,8 @@ def test_a_docs_style_run_writes_a_timeline_of_both_processes_covering_the_run(t
     assert extent_s >= 0.5 * (ended - started), (extent_s, ended - started)
     summary = timeline.summarize(output_dir)
     assert summary["startup"] and summary["overlap"][0]["both_busy_s"] > 0
+    for process in ("trainer rank 0", "generator rank 0"):  # each process's own peak memory (a model: > 50 MiB)
+        assert summary["processes"][process]["peak_rss_bytes"] > 50 * 2**20
 
 
 def test_timeline_false_records_nothing(tmp_path):
@@ -653,4 +655,4 @@ def test_timeline_false_records_nothing(tmp_path):
     )  # fmt: skip
     trainer.train()
     out = pathlib.Path(args.output_dir)
-    assert not (out / "timeline.json").exists() and not (out / "timeline-fragments").exists()
+    assert not (out / "timeline.json").exists() and not (out / "_timeline-fragments").exists()

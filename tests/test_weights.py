@@ -12,6 +12,7 @@ are shared memory either way (`tests/test_backends.py` passes stores to a spawne
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -294,3 +295,30 @@ def test_a_failed_publish_does_not_break_later_publishes():
     store.publish(filled(3).items(), 3)  # the trainer carries on and publishes the next version correctly
     copy, version = read_copy(store, timeout=0.5)
     assert version == 3 and snapshot_values(copy) == {3.0}
+
+
+def _read_one(store, queue):
+    """In a fork-server child: the sum of every tensor of the store it was handed (at module level: picklable)."""
+    queue.put(sum(float(t.sum()) for t in store.buffers.values()))
+
+
+def test_a_store_of_hundreds_of_tensors_reaches_a_fork_server_child():
+    """A fork server passes each shared buffer as a file descriptor and refuses more than 256 ('too many fds'):
+    Qwen2.5-0.5B's frozen base has 290 tensors. The store must reach the generation process whatever its tensor count,
+    with every value in place, and with the dtypes it was given."""
+    named = [(f"layer{i}.weight", torch.full((3, 2), float(i))) for i in range(400)]
+    named += [("mask", torch.ones(5, dtype=torch.int64)), ("half", torch.full((2,), 0.5, dtype=torch.bfloat16))]
+    store = SharedWeightStore(named)
+    store.publish(named, version=1)
+    assert {name: store.buffers[name].dtype for name in ("mask", "half")} == {
+        "mask": torch.int64,
+        "half": torch.bfloat16,
+    }
+    ctx = multiprocessing.get_context("forkserver")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_one, args=(store, queue))
+    child.start()
+    total = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert total == pytest.approx(6 * sum(range(400)) + 5 + 1.0)

@@ -1,13 +1,15 @@
 # A short asynchronous GRPO run on the bundled tiny model with one fault injected, for tests/test_faults.py. Runs as
 # `python faulty_run.py ...` or under `accelerate launch --multi_gpu --num_processes 2` (CPU, gloo). Each rank writes
 # what the tests check into <records>/rank<k>/: info.json (its pid, its generation process's, its spool janitor's, every
-# descendant process, its spool folder), saved.jsonl (each checkpoint save that returned), train.json (the steps a run
-# started and ended at) and exit.json (how it ended: the exception type and message, or none).
+# descendant process, its spool folder), saving.jsonl and saved.jsonl (each checkpoint save that began, that returned),
+# fired.json (the moment a signal fault was sent, and what SIGINT did in this process when it started), train.json (the
+# steps a run started and ended at) and exit.json (how it ended: the exception type and message, or none).
 #
 # Faults (--fault):
 #   none
 #   signal:<INT|TERM|KILL>@step:<k>            the trainer sends itself the signal as step k begins
-#   signal:<INT|TERM|KILL>@timer:<seed>        ... after a random delay (seeded) once its generation process serves
+#   signal:<INT|TERM|KILL>@timer:<seed>        ... after a random delay (seeded) once its generation process serves;
+#                                              the last step waits for it, so that it always lands inside train()
 #   signal:<INT|TERM|KILL>@saving:<where>:<n>  ... during its n-th checkpoint save, right after <where>: model (the
 #                                              weights), optimizer (optimizer and scheduler), rollout_state (Trainer's
 #                                              part done, trl_async's prompt-stream file next); with a ":gated" suffix,
@@ -70,9 +72,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def sigint_disposition() -> str:
+    """What SIGINT does in this process: "KeyboardInterrupt" (Python's default handler), "ignored" (SIG_IGN, inherited
+    from a parent that ignores it: Python then installs no handler) or "blocked" in the calling thread."""
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return "blocked"
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.default_int_handler:
+        return "KeyboardInterrupt"
+    return "ignored" if handler == signal.SIG_IGN else repr(handler)
+
+
+SIGINT_AT_START = sigint_disposition()  # as the run starts, before the trainer is built
+
+
 class Fault:
-    def __init__(self, spec: str, rank: int, output_dir: str):
-        self.spec, self.rank, self.output_dir = spec, rank, output_dir
+    def __init__(self, spec: str, rank: int, output_dir: str, records: "Records"):
+        self.spec, self.rank, self.output_dir, self.records = spec, rank, output_dir, records
         self.kind, _, where = spec.partition("@")
         self.where = where.split(":")
         self.signal = None
@@ -85,7 +101,9 @@ class Fault:
             return int(self.where[self.where.index("step") + 1])
         return None
 
-    def fire(self) -> None:
+    def fire(self, moment: str) -> None:
+        """Send the signal, first recording that it was sent and where (the tests check the moment they meant)."""
+        self.records.write("fired.json", {"moment": moment, "sigint_at_start": SIGINT_AT_START})
         os.kill(os.getpid(), self.signal)
 
     def during_save(self, where: str, save_index: int, queue) -> None:
@@ -93,7 +111,7 @@ class Fault:
             if int(self.where[2]) == save_index:
                 if self.where[-1] == "gated":
                     wait_until_gated(queue)
-                self.fire()
+                self.fire(f"saving:{where}:{save_index}")
 
     def before_save(self, save_index: int) -> None:
         if self.where[:1] != ["save"] or int(self.where[1]) != save_index:
@@ -152,6 +170,7 @@ class FaultyTrainer(AsyncGRPOTrainer):
     def _save_checkpoint(self, model, trial):
         self.saves += 1
         self.fault.before_save(self.saves)
+        self.records.append("saving.jsonl", {"step": self.state.global_step})
         super()._save_checkpoint(model, trial)
         self.records.append("saved.jsonl", {"step": self.state.global_step})
 
@@ -167,7 +186,7 @@ class FaultyTrainer(AsyncGRPOTrainer):
 
 class Injector(TrainerCallback):
     def __init__(self, trainer: FaultyTrainer):
-        self.trainer, self.info = trainer, None
+        self.trainer, self.info, self.timer = trainer, None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.first_step = state.global_step
@@ -190,20 +209,27 @@ class Injector(TrainerCallback):
             fault = self.trainer.fault
             if fault.signal is not None and fault.where[0] == "timer":
                 delay = random.Random(int(fault.where[1])).uniform(0.0, 3.0)
-                threading.Timer(delay, fault.fire).start()
+                self.timer = threading.Timer(delay, fault.fire, args=(f"timer:{delay:.3f}s",))
+                self.timer.start()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.timer is not None and state.global_step + 1 == args.max_steps:
+            # A fast run could otherwise end before the delay: the signal would then reach an interpreter that is
+            # shutting down (Python reports the KeyboardInterrupt as ignored and exits 0), not the training run.
+            self.timer.join()
         fault = self.trainer.fault
         if not fault.on_this_rank or fault.step() != state.global_step + 1 or self.info is None:
             return
         if fault.kind == "kill_generator":
             os.kill(self.info["generator_pid"], signal.SIGKILL)
-        elif fault.kind == "kill_trainer" or fault.signal is not None:
-            os.kill(os.getpid(), fault.signal or signal.SIGKILL)
+        elif fault.kind == "kill_trainer":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.signal is not None:
+            fault.fire(f"step:{state.global_step + 1}")
 
 
 def main(options, records: Records, rank: int):
-    fault = Fault(options.fault, rank, options.output_dir)
+    fault = Fault(options.fault, rank, options.output_dir, records)
     raise_on = int(fault.where[1]) if fault.kind == "reward_raises" else None
     args = make_args(
         pathlib.Path(options.output_dir),

@@ -105,10 +105,25 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(tiny_model())
 
 
+@functools.cache
+def output_dir() -> str:
+    """A run's output folder (docs/timeline.md's `output_dir`): a short asynchronous run of the tiny model, which
+    writes its `timeline.json` there."""
+    from trl_async import AsyncGRPOTrainer
+
+    args = training_args("AsyncGRPOTrainer")
+    args.max_steps, args.output_dir = 6, os.path.abspath("timeline-run")
+    trainer = AsyncGRPOTrainer(model=tiny_model(), reward_funcs=[answer_reward], args=args,
+                               train_dataset=arithmetic_prompts())  # fmt: skip
+    trainer.train()
+    return args.output_dir
+
+
 M2PO_NAMES = ("per_token_logps", "behaviour_logps", "advantages", "mask", "log_ratio", "A", "logp_mb0", "mu_mb0",
               "lr_mb0", "A0", "m0", "lr_mb1", "A1", "m1", "N")  # fmt: skip
 STAND_INS = {
     "tokenizer": tokenizer,
+    "output_dir": output_dir,
     **{name: functools.partial(lambda n: m2po_tensors()[n], name) for name in M2PO_NAMES},
 }
 

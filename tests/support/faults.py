@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from tests.support.trainer_utils import pid_is_gone
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "faulty_run.py")
+
+
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` of a run that is sent a Ctrl-C: SIGINT at its default action and unblocked, as an interactive shell
+    starts a foreground job. Both are inherited through fork and exec, and a test runner started in the background of a
+    non-interactive shell (`bash .ci/run &`, `nohup ... &`, some CI agents) has SIGINT ignored: Python then installs no
+    KeyboardInterrupt handler, the kernel drops the run's SIGINT, and the run trains on to its end and exits 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def read(records, name, rank=0):

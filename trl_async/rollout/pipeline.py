@@ -262,12 +262,7 @@ class RolloutPipeline:
         self.check_health()
         while True:
             if not self.queue.is_open and self.process.ready:
-                # The queue opens one batch ahead: the generation process makes the next batch while the trainer
-                # makes and trains on this one, so the switch does not wait for the process's first batch (which
-                # cost one generation, ~0.2 s, at the docs-style script's scale).
-                self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)
-                logger.info("trl_async: generator (pid %s) ready after %.1fs; it starts at batch %d",
-                            self.process.pid, time.time() - self.process.started_at, self._next_index + 1)  # fmt: skip
+                self._open_queue_when_ready()
             elif self.queue.is_open:
                 waited = timeline().begin()
                 item = self.queue.get(
@@ -295,6 +290,18 @@ class RolloutPipeline:
         self._record(batch)
         return batch
 
+    def _open_queue_when_ready(self) -> None:
+        """Once the generation process is ready, open the queue one batch ahead of the batch the trainer is making
+        itself (`_next_index`): the process makes the next batch while the trainer makes and trains on this one, so
+        the switch does not wait for the process's first batch. Checked before each batch the trainer makes and at
+        every decoding step of it: a long batch (one completion running to max_completion_length) would otherwise
+        leave a ready process idle until the trainer next asks (2.3 s of the docs-style script's start-up)."""
+        if self.queue.is_open or self.process is None or not self.process.ready:
+            return
+        self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)
+        logger.info("trl_async: generator (pid %s) ready after %.1fs; it starts at batch %d",
+                    self.process.pid, time.time() - self.process.started_at, self._next_index + 1)  # fmt: skip
+
     def _agree(self, staleness: int) -> int:
         return staleness if self.all_reduce_max is None else self.all_reduce_max(staleness)
 
@@ -309,8 +316,9 @@ class RolloutPipeline:
                 model.eval()  # no dropout, and transformers keeps the KV cache on (gradient checkpointing is train-only)
                 try:
                     return generate_with_behaviour_logprobs(
-                        model, prompt_ids, config, spec.eos_token_ids, spec.pad_token_id, device, seed=seed
-                    )
+                        model, prompt_ids, config, spec.eos_token_ids, spec.pad_token_id, device, seed=seed,
+                        heartbeat=self._open_queue_when_ready,
+                    )  # fmt: skip
                 finally:
                     model.train(was_training)
 

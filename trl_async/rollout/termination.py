@@ -6,6 +6,11 @@ rank fails). While `train()` runs, `exit_on_sigterm` turns SIGTERM into `SystemE
 reports for a process killed by SIGTERM) raised in the main thread, so that the trainer stops its generation process,
 removes its spool and exits non-zero, saying why.
 
+SIGINT (Ctrl-C) needs nothing of this: Python raises `KeyboardInterrupt`, which ends `train()` through the same
+`finally` blocks, and the process then exits by SIGINT. trl_async installs no SIGINT handler, so a process that
+inherited SIGINT ignored (started with `&` by a non-interactive shell, e.g. a batch script) keeps ignoring it, as
+POSIX intends for background jobs: `kill -INT` does nothing there, while SIGTERM still stops it.
+
 It stays out of the way of anyone else's handling: it is installed only from the main thread (the only one Python
 delivers signals to) and only where SIGTERM has its default action, so a handler set by the user (say, one that saves a
 checkpoint on preemption) keeps working; the previous action is restored when `train()` returns. A second SIGTERM

@@ -1,7 +1,10 @@
 """Publishing policy weights from the trainer to the generation process through shared memory.
 
-The trainer owns a set of CPU tensors in shared memory, one per published parameter. Publishing copies the current
-parameters into them; the generator copies them into its own model between generation batches, never mid-sequence.
+The trainer owns a set of CPU tensors in shared memory, one per published parameter, all views of one flat shared
+buffer per dtype. Publishing copies the current parameters into them; the generator copies them into its own model
+between generation batches, never mid-sequence. (One buffer per dtype, not one per tensor: a store travels to the
+generation process through a fork server, which passes every shared buffer as a file descriptor and refuses more than
+256 of them; Qwen2.5-0.5B's frozen base alone has 290 tensors.)
 
 Torn reads are prevented with a sequence lock: the writer makes the sequence odd, copies, records the version, then
 makes the sequence even again. A reader copies only between two equal even sequence values and retries otherwise, so it
@@ -18,6 +21,7 @@ travel once, at start-up, in a separate store.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -30,13 +34,36 @@ class SharedWeightStore:
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], mp_context="spawn"):
         ctx = torch_mp.get_context(mp_context) if isinstance(mp_context, str) else mp_context
-        self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for name, t in named_tensors
-        }
+        # name -> (dtype, offset, shape) in the flat buffer of its dtype
+        self._layout: dict[str, tuple[torch.dtype, int, tuple[int, ...]]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for name, tensor in named_tensors:
+            offset = sizes.get(tensor.dtype, 0)
+            self._layout[name] = (tensor.dtype, offset, tuple(tensor.shape))
+            sizes[tensor.dtype] = offset + tensor.numel()
+        self._flat = {dtype: torch.empty(max(n, 1), dtype=dtype, device="cpu").share_memory_()
+                      for dtype, n in sizes.items()}  # fmt: skip
+        self.buffers: dict[str, torch.Tensor] = self._views()
         # Written by the publisher only; a 64-bit aligned word is read and written atomically on the platforms torch
         # supports, and stores are not reordered past the copy (the copy is a function call that returns after it).
         self._sequence = ctx.RawValue("q", 0)
         self._version = ctx.RawValue("q", -1)
+
+    def _views(self) -> dict[str, torch.Tensor]:
+        return {
+            name: self._flat[dtype][offset : offset + math.prod(shape)].view(shape)
+            for name, (dtype, offset, shape) in self._layout.items()
+        }
+
+    def __getstate__(self) -> dict:
+        # The flat buffers travel (one file descriptor per dtype), the views are rebuilt on arrival.
+        state = self.__dict__.copy()
+        del state["buffers"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.buffers = self._views()
 
     @property
     def names(self) -> list[str]:

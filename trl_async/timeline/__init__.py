@@ -2,7 +2,7 @@
 
 Each process (every trainer rank, every generation process) records spans into a `Recorder`: `start = rec.begin()`
 then `rec.end(name, start)`, or `with rec.span(name):`; a cheap monotonic clock and a tuple appended to a list. A
-recorder appends what it recorded to its own fragment file (`OUTPUT_DIR/timeline-fragments/`, `flush`), and the
+recorder appends what it recorded to its own fragment file (`OUTPUT_DIR/_timeline-fragments/`, `flush`), and the
 trainer that saves merges the fragments into `OUTPUT_DIR/timeline.json`, Chrome's trace-event format
 (`write_timeline`; `TimelineWriter` says when, keeping merges under 0.1% of the run): Perfetto and chrome://tracing open it. No collective: files only. `SamplingPolicy` bounds the
 size (the first 200 steps whole, then 5 steps in every 100); `disabled()` records nothing.

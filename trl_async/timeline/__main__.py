@@ -12,7 +12,7 @@ from .trace import resolve
 
 DESCRIPTION = """\
 Summarize a run's timeline (OUTPUT_DIR/timeline.json, written by the trainer; or the fragments under
-OUTPUT_DIR/timeline-fragments/ of a run that stopped before writing it, merged first) and draw a Gantt chart.
+OUTPUT_DIR/_timeline-fragments/ of a run that stopped before writing it, merged first) and draw a Gantt chart.
 
 Prints, over each process's recorded steps: its busy fraction; per rank, the overlap (time trainer and generator
 are both busy, over the wall time); the top idle causes (named wait spans and untracked gaps, by total time); the
@@ -29,6 +29,7 @@ def format_summary(summary: dict) -> str:
             f"  {label:<20} {100 * figures['busy_fraction']:5.1f}% of {figures['recorded_s']:.3f} s "
             f"({figures['steps_recorded']} steps recorded)"
             + ("" if cpu is None else f", CPU {100 * cpu:.1f}% of cores")
+            + ("" if not figures.get("peak_rss_bytes") else f", peak RSS {figures['peak_rss_bytes'] / 2**20:.0f} MiB")
             + (" [recording stopped early: max_events]" if figures["truncated"] else "")
         )
     if summary["overlap"]:

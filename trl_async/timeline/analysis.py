@@ -97,7 +97,8 @@ def processes(path_or_trace) -> list[dict]:
         role = info.get("role") or (label.split()[0] if label.split() else "?")
         rank = info.get("rank", _rank_from_label(label))
         result.append({"pid": pid, "role": role, "rank": rank, "label": label, "cores": info.get("cores"),
-                       "truncated": bool(info.get("truncated")), **found[pid]})  # fmt: skip
+                       "truncated": bool(info.get("truncated")), "peak_rss_bytes": info.get("peak_rss_bytes"),
+                       **found[pid]})  # fmt: skip
     return result
 
 
@@ -142,6 +143,7 @@ def _breakdown(process: dict) -> dict:
         "wait_s": dict(sorted(wait_s.items(), key=lambda kv: -kv[1])),
         "untracked_s": length(subtract(recorded, covered)),
         "cpu_cores_busy_fraction": cpu / (wall * cores) if wall and cores and process["steps"] else None,
+        "peak_rss_bytes": process.get("peak_rss_bytes"),
         "truncated": process["truncated"],
     }  # fmt: skip
 
@@ -161,7 +163,8 @@ def summarize(path_or_trace, top: int = 10) -> dict:
     """All figures of a trace (a run's folder, a timeline.json or a loaded dict):
 
     `processes`: per process label, `recorded_s`, `busy_s`, `busy_fraction`, `wait_s` {cause: s}, `untracked_s`,
-    `steps_recorded`, `cpu_cores_busy_fraction` (CPU time / (recorded wall x the process's cores)), `truncated`
+    `steps_recorded`, `cpu_cores_busy_fraction` (CPU time / (recorded wall x the process's cores)),
+    `peak_rss_bytes` (its peak resident memory, where recorded), `truncated`
     (its recording hit `SamplingPolicy.max_events` and stopped);
     `overlap`: per rank, `both_busy_s`, `wall_s` (recorded by both), `fraction`;
     `idle_causes`: the `top` (process, cause, seconds, fraction of its recorded time), causes being the wait spans'

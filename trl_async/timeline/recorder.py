@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 
 from .names import BUSY, STARTUP
@@ -67,6 +68,16 @@ class _Span:
     def __exit__(self, *exc):
         self._recorder.end(self._name, self._start, self._category)
         return False
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (getrusage: kilobytes on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _boot_id() -> str | None:
@@ -207,7 +218,8 @@ class Recorder:
             now = self._now()
             self._steps.append((self._step, self._step_start, now, self._cpu() - self._step_cpu))
             self._closed_ns, self._keep = now, False
-        chunk = {"spans": self._events, "instants": self._instants, "steps": self._steps, "truncated": self.truncated}
+        chunk = {"spans": self._events, "instants": self._instants, "steps": self._steps, "truncated": self.truncated,
+                 "peak_rss_bytes": _peak_rss_bytes()}  # fmt: skip
         self._flushed += len(self._events)
         self._events, self._instants, self._steps = [], [], []
         return chunk

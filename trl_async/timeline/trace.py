@@ -1,6 +1,6 @@
-"""Fragments in, one Chrome trace out: `OUTPUT_DIR/timeline-fragments/*.jsonl` -> `OUTPUT_DIR/timeline.json`.
+"""Fragments in, one Chrome trace out: `OUTPUT_DIR/_timeline-fragments/*.jsonl` -> `OUTPUT_DIR/timeline.json`.
 
-**Fragments.** Each process appends to its own file, `timeline-fragments/{role}-rank{rank}.jsonl` (`Recorder.flush`):
+**Fragments.** Each process appends to its own file, `_timeline-fragments/{role}-rank{rank}.jsonl` (`Recorder.flush`):
 a first line `{"header": {...}}` (role, rank, world size, OS pid, host, boot id, cores, sampling policy, one
 (monotonic, Unix) clock pair), then one line per flush: `{"spans": [[name, category, start_ns, end_ns(, cpu_ns)]],
 "instants": [[name, ns]], "steps": [[step, start_ns, end_ns, cpu_ns]], "truncated": bool}`, times on the process's
@@ -31,7 +31,8 @@ import time
 
 from .names import ROLES, STEP, TRAINER
 
-FRAGMENT_DIR = "timeline-fragments"
+# The leading underscore: a folder of the run's internals, which `Trainer.push_to_hub` leaves out of the upload.
+FRAGMENT_DIR = "_timeline-fragments"
 TIMELINE_FILE = "timeline.json"
 SPAN_TID, STEP_TID, OVERLAP_TID = 1, 2, 3
 TRACE_FORMAT = 1
@@ -50,7 +51,7 @@ def clear_fragments(output_dir: str, rank: int) -> None:
 def read_fragment(path: str) -> dict | None:
     """`{"header", "spans", "instants", "steps", "truncated"}`, or None without a header. A torn last line (the
     process was killed while writing it) is skipped."""
-    header, spans, instants, steps, truncated = None, [], [], [], False
+    header, spans, instants, steps, truncated, peak_rss = None, [], [], [], False, None
     with open(path) as f:
         for line in f:
             try:
@@ -64,9 +65,12 @@ def read_fragment(path: str) -> dict | None:
             instants += record.get("instants", [])
             steps += record.get("steps", [])
             truncated = truncated or bool(record.get("truncated"))
+            if record.get("peak_rss_bytes") is not None:
+                peak_rss = max(peak_rss or 0, record["peak_rss_bytes"])
     if header is None:
         return None
-    return {"header": header, "spans": spans, "instants": instants, "steps": steps, "truncated": truncated}
+    return {"header": header, "spans": spans, "instants": instants, "steps": steps, "truncated": truncated,
+            "peak_rss_bytes": peak_rss}  # fmt: skip
 
 
 def read_fragments(output_dir: str) -> list[dict]:
@@ -144,6 +148,7 @@ def merge_fragments(fragments: list[dict]) -> dict:
         processes.append({
             "pid": pid, "role": role, "rank": rank, "label": label, "os_pid": header.get("os_pid"),
             "host": header.get("host"), "cores": header.get("cores"), "truncated": fragment["truncated"],
+            "peak_rss_bytes": fragment.get("peak_rss_bytes"),
             "policy": header.get("policy"), "first_step": header.get("first_step", 0),
         })  # fmt: skip
         events += [

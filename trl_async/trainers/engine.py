@@ -118,7 +118,9 @@ class AsyncRolloutMixin(ModelCardMixin):
     Subclasses implement `_prepare_args(bound)` (the config their loss needs, validated) and `_after_scoring(output,
     rewards_per_func)` (what the loss needs beyond TRL's batch dict)."""
 
-    _timeline = disabled()  # the run's recorder replaces it in `train`; a trainer built without __init__ keeps it
+    # The timeline's recorder while `train` runs (`_start_timeline`); the disabled one otherwise, also on a trainer built
+    # without `__init__` (TRL's own unit tests build them so).
+    _timeline = disabled()
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         trl_contract.check_hooks(GRPOTrainer)
@@ -148,7 +150,6 @@ class AsyncRolloutMixin(ModelCardMixin):
         super().__init__(*bound.args[1:], **bound.kwargs)
         check_inputs_after_init(self)
         self._hook_slot: HookSlot | None = None
-        self._timeline = disabled()  # this process's recorder while `train` runs (`trl_async.timeline`)
         self.add_callback(TimelineSteps(self))
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.
         layout = StatisticsLayout(self._statistics_fields())
