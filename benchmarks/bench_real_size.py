@@ -1,6 +1,6 @@
 """The job at a real model's size: Qwen2.5-0.5B's architecture, LoRA r=8, synchronous vs asynchronous, on the CPU.
 
-    python benchmarks/bench_real_size.py                     # 1 pair of 8-step runs (~20-30 min on 2 cores)
+    python benchmarks/bench_real_size.py                     # 1 pair of 4-step runs (~25 min on 2 cores)
     python benchmarks/bench_real_size.py --pairs 2 --steps 6
 
 Every other figure of this project is on the bundled 1M-parameter model. This one runs the recipe's Qwen config
@@ -17,7 +17,8 @@ Every other figure of this project is on the bundled 1M-parameter model. This on
 Both arms run `python recipes/qwen_math.py` in fresh processes with OMP_NUM_THREADS and MKL_NUM_THREADS removed (both
 on every core: the synchronous arm's torch uses both, the asynchronous arm splits them between its trainer and its
 generation process), the synchronous one with `--async_generation false`, alternating. Recorded per run, from the
-run's timeline (`trl_async.timeline`, kept beside the results as `bench_real_size.pair<P>-<mode>.timeline.json`): the step time (median over the steps after the first two), the peak resident
+run's timeline (`trl_async.timeline`, kept beside the results as `bench_real_size.pair<P>-<mode>.timeline.json`):
+the step time (median over the steps after the first two), the peak resident
 memory of the trainer and of the generation process, the LoRA publish time per step (`async/weight_sync_s`), and, from
 the synchronous run's timeline, the limit of overlapping its generation with its training. Writes
 benchmarks/results/bench_real_size.json (or --out).
@@ -134,7 +135,7 @@ def timeline_figures(output_dir: str, mode: str, history: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=1, help="pairs of runs (async + sync), order alternating")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--completion-length", type=int, default=64, help="forced completion length (tokens)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_real_size.json"))
     args = parser.parse_args(argv)
