@@ -1127,6 +1127,105 @@ def summary_before_after(section: Section) -> list[Row]:
     return [("The same user jobs before and after the trainer restructuring (> 1: after is faster)", "; ".join(cells))]
 
 
+# ------------------------------------------------------------------------------------------------ real size
+
+
+def real_size_pairs(data: dict) -> list[dict]:
+    by_pair: dict = {}
+    for run in data["runs"]:
+        by_pair.setdefault(run["pair"], {})[run["mode"]] = run
+    return [p for _, p in sorted(by_pair.items()) if {"sync", "async"} <= set(p)]
+
+
+def real_size_speedups(data: dict) -> list[float]:
+    """Median step seconds, sync / async, per pair: computed from the runs (never copied from a summary)."""
+    return [p["sync"]["step_seconds_median"] / p["async"]["step_seconds_median"] for p in real_size_pairs(data)]
+
+
+def render_real_size(section: Section) -> str:
+    data = section.first
+    settings = data.get("settings", {})
+    out = [
+        f"Command: `{data.get('command')}`. The recipe's Qwen config on Qwen2.5-0.5B's architecture "
+        f"({data['summary'].get('parameters', 0) / 1e6:.0f}M parameters, random weights, Qwen's real tokenizer, LoRA "
+        f"r=8), {settings.get('rows_per_step')} rows a step, completions forced to "
+        f"{settings.get('completion_length')} tokens, {settings.get('steps')} steps per run, both arms on every core "
+        "(OMP_NUM_THREADS unset), alternating fresh processes. Step time: the median over the steps after the first "
+        "two, from each run's timeline (kept beside the JSON).",
+        "",
+    ]
+    rows = []
+    for i, p in enumerate(real_size_pairs(data)):
+        sync, run = p["sync"], p["async"]
+        limit = sync.get("limit") or {}
+        rss = run.get("peak_rss_mib", {})
+        rows.append([i, num(sync["step_seconds_median"], ".1f"), num(run["step_seconds_median"], ".1f"),
+                     num(sync["step_seconds_median"] / run["step_seconds_median"], ".2f"),
+                     num(limit.get("ideal_overlap_ratio"), ".2f"),
+                     num(limit.get("generation_s"), ".0f") + " / " + num(limit.get("training_s"), ".0f"),
+                     " / ".join(f"{label} {mib / 1024:.1f}" for label, mib in sorted(rss.items())),
+                     num(run.get("lora_publish_seconds_median"), ".3f")])  # fmt: skip
+    out.append(table(["pair", "sync step s", "async step s", "sync / async", "limit (sync timeline)",
+                      "sync generation / training s", "async peak RSS GiB", "LoRA publish s"], rows))  # fmt: skip
+    causes = [c for p in real_size_pairs(data) for c in p["async"].get("idle_causes", [])][:3]
+    if causes:
+        out += [
+            "",
+            "Largest idle causes of the asynchronous run (timeline): "
+            + "; ".join(f"{c['process']} {c['cause']} {c['seconds']:.0f} s ({c['fraction']:.0%})" for c in causes)
+            + ".",
+        ]
+    return "\n".join(out)
+
+
+def summary_real_size(section: Section) -> list[Row]:
+    data = section.first
+    limits = [p["sync"]["limit"]["ideal_overlap_ratio"] for p in real_size_pairs(data) if p["sync"].get("limit")]
+    return [
+        (
+            "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights, LoRA r=8, 2 CPU "
+            "cores, 64-token completions), asynchronous vs synchronous: step time",
+            f"**{fmt_ratio(real_size_speedups(data))}**"
+            + (f" (limit {statistics.median(limits):.2f}×)" if limits else ""),
+        )
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ timeline overhead
+
+
+def render_timeline_overhead(section: Section) -> str:
+    data = section.first
+    ns = data["per_call_ns"]
+    out = [
+        "`benchmarks/bench_timeline_overhead.py`: the cost of recording a timeline, each figure the fastest of several "
+        "repeats of a tight loop (an upper bound: the loop's own cost is included).",
+        "",
+        table(
+            ["figure", "value"],
+            [[k.replace("_ns", ""), f"{v:.0f} ns"] for k, v in ns.items()]
+            + [
+                ["one step (spans, set_step, flush)", f"{data['per_step_ns'] / 1e3:.1f} µs"],
+                [
+                    "merging a 10,000-step run",
+                    f"{data['merge_10k_steps_s']:.2f} s, {data['merge_10k_steps_trace_mb']:.1f} MB",
+                ],
+            ],
+        ),  # fmt: skip
+        "",
+    ]
+    for step, figures in data["overhead"].items():
+        out.append(f"- At a step of {step.removeprefix('step_')}: {figures['recording_fraction']:.3%} recording, "
+                   f"{figures['with_merges_fraction']:.2%} with the merges.")  # fmt: skip
+    return "\n".join(out)
+
+
+def summary_timeline_overhead(section: Section) -> list[Row]:
+    worst = max(f["with_merges_fraction"] for f in section.first["overhead"].values())
+    return [("Recording the timeline (`timeline=True`, the default): its share of a tiny-model step",
+             f"≤ {worst:.2%} (upper bound, hot-path microbenchmark)")]  # fmt: skip
+
+
 def render_generic(section: Section) -> str:
     """For a benchmark without its own renderer yet: the scalar entries of its `summary` (or top level)."""
     data = section.first

@@ -194,6 +194,30 @@ REGISTRY: list[Benchmark] = [
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(
+        "real_size",
+        "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights), on the CPU",
+        "bench_real_size.json",
+        {
+            "smoke": "{python} benchmarks/bench_real_size.py --steps 2 --completion-length 8 "
+            "--out {results}/bench_real_size.json",
+            "full": "{python} benchmarks/bench_real_size.py --out {results}/bench_real_size.json",
+        },
+        R.render_real_size,
+        R.summary_real_size,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "timeline_overhead",
+        "What recording the timeline costs",
+        "bench_timeline_overhead.json",
+        {
+            "quick": "{python} benchmarks/bench_timeline_overhead.py --output {results}/bench_timeline_overhead.json",
+            "full": "{python} benchmarks/bench_timeline_overhead.py --output {results}/bench_timeline_overhead.json",
+        },
+        R.render_timeline_overhead,
+        R.summary_timeline_overhead,
+    ),
+    Benchmark(
         "async_free",
         "`AsyncGRPOTrainer` vs `GRPOTrainer`, free-length completions",
         "bench_async_free.json",

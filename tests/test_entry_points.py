@@ -47,6 +47,7 @@ MAIN_OPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks/bench_main_job.py": ("--pairs", "--max_steps", "--seeds", "--regime", "--out"),
     "benchmarks/bench_ppo_vs_grpo.py": ("--steps", "--seeds", "--out"),
     "benchmarks/bench_rewards.py": ("--quick", "--repeats", "--out"),
+    "benchmarks/bench_real_size.py": ("--pairs", "--steps", "--completion-length", "--out"),
     "benchmarks/bench_soak.py": ("--steps", "--modes", "--out"),
     "benchmarks/bench_staleness.py": ("--contenders", "--k", "--seeds", "--steps", "--out"),
     "benchmarks/bench_timeline_overhead.py": ("--output",),

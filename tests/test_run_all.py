@@ -91,6 +91,24 @@ def soak_run(growth):
     return {"samples": samples, "checks": checks, "wall_seconds": 100.0}
 
 
+def real_size_run(mode, pair, step_seconds, limit=None):
+    run = {
+        "mode": mode,
+        "pair": pair,
+        "train_seconds": step_seconds * 4,
+        "wall_seconds": step_seconds * 5,
+        "step_seconds_median": step_seconds,
+        "step_seconds": [step_seconds] * 2,
+        "peak_rss_mib": {"trainer:0": 8192, "generator:0": 4096},
+        "lora_publish_seconds_median": 0.25,
+    }
+    if limit:
+        run["limit"] = {"ideal_overlap_ratio": limit, "generation_s": 20.0, "training_s": 100.0}
+    else:
+        run["idle_causes"] = [{"process": "trainer:0", "cause": "wait_batch", "seconds": 30.0, "fraction": 0.1}]
+    return run
+
+
 FIXTURES = {
     # ratios 100/50 = 2.0 and 90/60 = 1.5: median 1.75 [1.50, 2.00]
     "main_job": main_job([(50.0, 100.0, 0.6, 0.5), (60.0, 90.0, 0.6, 0.5)], regime="same_cores"),
@@ -233,6 +251,28 @@ FIXTURES = {
         "commits": {"before": "a" * 40, "after": "b" * 40},
         "jobs": {"docs_style": {"per_pair": [1.1, 0.9], "before_s": [11.0, 9.0], "after_s": [10.0, 10.0]}},
     },  # median 1.00 [0.90, 1.10]
+    "real_size": {
+        "command": "python benchmarks/bench_real_size.py --pairs 2 --steps 4 --completion-length 64",
+        "settings": {"steps": 4, "rows_per_step": 8, "completion_length": 64},
+        "runs": [
+            real_size_run("async", 0, 100.0),
+            real_size_run("sync", 0, 130.0, limit=1.2),
+            real_size_run("sync", 1, 110.0, limit=1.4),
+            real_size_run("async", 1, 100.0),
+        ],
+        # a stale summary: the renderer must compute from the runs
+        "summary": {"parameters": 494_000_000, "step_time_ratio_sync_over_async": {"median": 9.99}},
+    },  # 1.30 and 1.10: median 1.20; limits 1.2 and 1.4: median 1.30
+    "timeline_overhead": {
+        "per_call_ns": {"span_kept_ns": 300.0, "set_step_ns": 500.0},
+        "per_step_ns": 14000.0,
+        "merge_10k_steps_s": 0.07,
+        "merge_10k_steps_trace_mb": 1.4,
+        "overhead": {
+            "step_0.2s": {"recording_fraction": 7e-5, "with_merges_fraction": 0.0012},
+            "step_0.5s": {"recording_fraction": 3e-5, "with_merges_fraction": 0.0010},
+        },
+    },
     "vllm_backends": {
         "settings": {"rows": 8, "max_new_tokens": 4, "threads": 1},
         "startup_s": {"hf": 1.0, "vllm": 9.0},
@@ -306,6 +346,8 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "0.550 ± 0.050 (n=2)" in text and "0.450 ± 0.050 (n=2)" in text  # staleness cells over seeds
     assert "flat (largest RSS growth after warm-up +3.0%)" in text
     assert "1.00× [0.90, 1.10] over 2 pairs" in text  # before / after
+    assert "**1.20× [1.10, 1.30] over 2 pairs** (limit 1.30×)" in text  # real size, step time per pair
+    assert "≤ 0.12% (upper bound" in text  # timeline overhead: the larger share
 
 
 def test_render_only_rewrites_only_the_readme_table(tmp_path):
