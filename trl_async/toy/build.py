@@ -301,19 +301,16 @@ def _new_model(tokenizer, args):
     return model
 
 
-def _train_into_band(model, tokenizer, examples, test, args, t0):
-    """SFT until the greedy accuracy on `test` lands in TARGET_BAND (or the best checkpoint in REQUIRED_BAND);
-    returns (accuracy, step, state_dict or None for the current weights), or None."""
+def _sft_steps(model, examples, collate, pad_id, args):
+    """Supervised fine-tuning, one optimizer step at a time: yields (step, loss) after each, up to `args.max_steps`
+    (AdamW, linear warm-up over 30 steps, gradient norm clipped at 1, shuffled epochs of `args.batch_size` rows)."""
     import torch
-
-    from .model import greedy_accuracy
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = 30
     rng = random.Random(args.seed)
     order: list[int] = []
-    fallback = None  # (acc, step, state_dict) inside REQUIRED_BAND, closest to 0.30
-    eval_every, last_acc, step = args.eval_every, 0.0, 0
+    step = 0
     model.train()
     while step < args.max_steps:
         if len(order) < args.batch_size:
@@ -322,7 +319,7 @@ def _train_into_band(model, tokenizer, examples, test, args, t0):
             order += idx
         batch = [examples[i] for i in order[: args.batch_size]]
         del order[: args.batch_size]
-        ids, mask, labels = _collate(batch, tokenizer.pad_token_id)
+        ids, mask, labels = collate(batch, pad_id)
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / warmup)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -331,6 +328,18 @@ def _train_into_band(model, tokenizer, examples, test, args, t0):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        yield step, loss
+
+
+def _train_into_band(model, tokenizer, examples, test, args, t0):
+    """SFT until the greedy accuracy on `test` lands in TARGET_BAND (or the best checkpoint in REQUIRED_BAND);
+    returns (accuracy, step, state_dict or None for the current weights), or None."""
+
+    from .model import greedy_accuracy
+
+    fallback = None  # (acc, step, state_dict) inside REQUIRED_BAND, closest to 0.30
+    eval_every, last_acc, step = args.eval_every, 0.0, 0
+    for step, loss in _sft_steps(model, examples, _collate, tokenizer.pad_token_id, args):
         if step % eval_every:
             continue
         acc = greedy_accuracy(model, tokenizer, test)
@@ -510,32 +519,11 @@ def _tools_metrics(model, tokenizer, test, seed: int) -> dict:
 def _train_tools_into_band(model, tokenizer, examples, test, args, t0):
     """SFT until the sampled well-formed tool-call rate is in TOOLS_WELL_FORMED_BAND with accuracy at most
     TOOLS_ACCURACY_BAND; returns (metrics, step) for the current weights, or None."""
-    import torch
 
     from .tools import tool_accuracy
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = 30
-    rng = random.Random(args.seed)
-    order: list[int] = []
     step, eval_every = 0, args.eval_every
-    model.train()
-    while step < args.max_steps:
-        if len(order) < args.batch_size:
-            idx = list(range(len(examples)))
-            rng.shuffle(idx)
-            order += idx
-        batch = [examples[i] for i in order[: args.batch_size]]
-        del order[: args.batch_size]
-        ids, mask, labels = _collate_masked(batch, tokenizer.pad_token_id)
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (step + 1) / warmup)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
+    for step, loss in _sft_steps(model, examples, _collate_masked, tokenizer.pad_token_id, args):
         if step % eval_every:
             continue
         sampled = tool_accuracy(model, tokenizer, test, do_sample=True, temperature=1.0, seed=args.seed)
