@@ -142,6 +142,7 @@ REGISTRY: list[Benchmark] = [
         {
             "smoke": f"{MAIN_JOB} --regime two_processes --pairs 1 {SMOKE_RECIPE} "
             "--out {results}/bench_main_job_two_processes.json",
+            "quick": f"{MAIN_JOB} --regime two_processes --pairs 1 --out {{results}}/bench_main_job_two_processes.json",
             "full": f"{MAIN_JOB} --regime two_processes --pairs 3 --out {{results}}/bench_main_job_two_processes.json",
         },
         R.render_main_job,
