@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--completion-length", type=int, default=64, help="forced completion length (tokens)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_real_size.json"))
     args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # the timelines are copied beside it
     sys.path.insert(0, ROOT)
     runs = []
     started = time.perf_counter()
