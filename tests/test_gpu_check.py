@@ -29,5 +29,8 @@ def test_the_gpu_check_script_runs_on_the_cpu(tmp_path):
     # Every section ran to its end (none timed out or crashed), and those that run on a CPU passed.
     for name, section in sections.items():
         assert section.get("rc") == 0, (name, section, log[-3000:])
-    for name in ("throughput", "sharded"):
-        assert summary["ok"][name] is True, (name, sections[name], log[-3000:])
+    assert summary["ok"]["throughput"] is True, (sections["throughput"], log[-3000:])
+    # Without CUDA the CUDA-only sections say why they were skipped, and claim no result (tests/test_sharded.py runs
+    # FSDP2 and ZeRO-3 on CPU processes).
+    for name in ("m2po_cuda", "reward_sync", "sharded"):
+        assert summary["ok"][name] is None and "CUDA" in sections[name].get("skipped", ""), (name, sections[name])
