@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from run_timeline import timeline_figures  # benchmarks/run_timeline.py, beside this script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
@@ -67,24 +69,6 @@ def one_run(trainer: str, model_path: str, data_file: str, steps: int, held_out_
         "async_last_log": last[-1] if last else None,
         "timeline": timeline,
     }
-
-
-def timeline_figures(output_dir: str, sync: bool) -> dict | None:
-    """The run's timeline, summarized (None without one: TRL's own trainer records none)."""
-    from trl_async import timeline
-
-    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
-        return None
-    summary = timeline.summarize(output_dir)
-    figures = {
-        "busy_fraction": {name: p["busy_fraction"] for name, p in summary["processes"].items()},
-        "overlap_fraction": {str(rank): o["fraction"] for rank, o in summary["overlap"].items()},
-        "idle_causes": summary["idle_causes"][:5],
-        "startup": summary["startup"],
-    }
-    if sync:
-        figures["limit"] = timeline.sync_limit(output_dir)
-    return figures
 
 
 def main(argv=None):

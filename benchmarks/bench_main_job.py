@@ -57,6 +57,8 @@ import sys
 import tempfile
 import time
 
+from run_timeline import timeline_figures  # benchmarks/run_timeline.py, beside this script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
@@ -158,25 +160,6 @@ def run_once(
         "eval_samples": results["num_samples"] if results else None,
         "timeline": timeline,
     }
-
-
-def timeline_figures(output_dir: str, sync: bool) -> dict | None:
-    """The run's timeline (`trl_async.timeline`), summarized: where the time went; for the synchronous run (the same
-    trainer with `async_generation=False`), the limit of overlapping its generation with its training."""
-    from trl_async import timeline
-
-    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
-        return None
-    summary = timeline.summarize(output_dir)
-    figures = {
-        "busy_fraction": {name: p["busy_fraction"] for name, p in summary["processes"].items()},
-        "overlap_fraction": {str(rank): o["fraction"] for rank, o in summary["overlap"].items()},
-        "idle_causes": summary["idle_causes"][:5],
-        "startup": summary["startup"],
-    }
-    if sync:
-        figures["limit"] = timeline.sync_limit(output_dir)
-    return figures
 
 
 def ratio_stats(values: list[float]) -> dict:
