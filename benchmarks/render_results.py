@@ -154,12 +154,17 @@ def main_job_regime(data: dict) -> str:
     return "accelerate_launch" if data.get("command", "").startswith("accelerate launch") else "same_cores"
 
 
-def main_job_pairs(data: dict) -> list[dict]:
-    """{'async': run, 'sync': run} per complete pair, in pair order."""
+def complete_pairs(data: dict, side_key: str, sides: tuple[str, str]) -> list[dict]:
+    """{side: run} per pair that has a run of both `sides` (each run's `side_key`), in pair order."""
     by_pair: dict = {}
     for run in data["runs"]:
-        by_pair.setdefault(run["pair"], {})[run["mode"]] = run
-    return [p for _, p in sorted(by_pair.items()) if {"async", "sync"} <= set(p)]
+        by_pair.setdefault(run["pair"], {})[run[side_key]] = run
+    return [p for _, p in sorted(by_pair.items()) if set(sides) <= set(p)]
+
+
+def main_job_pairs(data: dict) -> list[dict]:
+    """{'async': run, 'sync': run} per complete pair, in pair order."""
+    return complete_pairs(data, "mode", ("async", "sync"))
 
 
 def main_job_speedups(data: dict) -> list[float]:
@@ -338,10 +343,7 @@ DOCS_STYLE_METRICS = (
 
 
 def docs_style_pairs(data: dict) -> list[dict]:
-    by_pair: dict = {}
-    for run in data["runs"]:
-        by_pair.setdefault(run["pair"], {})[run["trainer"]] = run
-    return [p for _, p in sorted(by_pair.items()) if {"trl", "async"} <= set(p)]
+    return complete_pairs(data, "trainer", ("trl", "async"))
 
 
 def docs_style_speedups(data: dict) -> list[float]:
@@ -422,10 +424,7 @@ def summary_docs_style(section: Section) -> list[Row]:
 
 
 def tools_pairs(data: dict) -> list[dict]:
-    by_pair: dict = {}
-    for run in data["runs"]:
-        by_pair.setdefault(run["pair"], {})[run["arm"]] = run
-    return [p for _, p in sorted(by_pair.items()) if {"sync", "async"} <= set(p)]
+    return complete_pairs(data, "arm", ("sync", "async"))
 
 
 def tools_speedups(data: dict) -> list[float]:
@@ -1130,16 +1129,9 @@ def summary_before_after(section: Section) -> list[Row]:
 # ------------------------------------------------------------------------------------------------ real size
 
 
-def real_size_pairs(data: dict) -> list[dict]:
-    by_pair: dict = {}
-    for run in data["runs"]:
-        by_pair.setdefault(run["pair"], {})[run["mode"]] = run
-    return [p for _, p in sorted(by_pair.items()) if {"sync", "async"} <= set(p)]
-
-
 def real_size_speedups(data: dict) -> list[float]:
     """Median step seconds, sync / async, per pair: computed from the runs (never copied from a summary)."""
-    return [p["sync"]["step_seconds_median"] / p["async"]["step_seconds_median"] for p in real_size_pairs(data)]
+    return [p["sync"]["step_seconds_median"] / p["async"]["step_seconds_median"] for p in main_job_pairs(data)]
 
 
 def render_real_size(section: Section) -> str:
@@ -1155,7 +1147,7 @@ def render_real_size(section: Section) -> str:
         "",
     ]
     rows = []
-    for i, p in enumerate(real_size_pairs(data)):
+    for i, p in enumerate(main_job_pairs(data)):
         sync, run = p["sync"], p["async"]
         limit = sync.get("limit") or {}
         rss = run.get("peak_rss_mib", {})
@@ -1167,7 +1159,7 @@ def render_real_size(section: Section) -> str:
                      num(run.get("lora_publish_seconds_median"), ".3f")])  # fmt: skip
     out.append(table(["pair", "sync step s", "async step s", "sync / async", "limit (sync timeline)",
                       "sync generation / training s", "async peak RSS GiB", "LoRA publish s"], rows))  # fmt: skip
-    causes = [c for p in real_size_pairs(data) for c in p["async"].get("idle_causes", [])][:3]
+    causes = [c for p in main_job_pairs(data) for c in p["async"].get("idle_causes", [])][:3]
     if causes:
         out += [
             "",
@@ -1180,7 +1172,7 @@ def render_real_size(section: Section) -> str:
 
 def summary_real_size(section: Section) -> list[Row]:
     data = section.first
-    limits = [p["sync"]["limit"]["ideal_overlap_ratio"] for p in real_size_pairs(data) if p["sync"].get("limit")]
+    limits = [p["sync"]["limit"]["ideal_overlap_ratio"] for p in main_job_pairs(data) if p["sync"].get("limit")]
     return [
         (
             "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights, LoRA r=8, 2 CPU "
