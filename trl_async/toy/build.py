@@ -334,7 +334,6 @@ def _sft_steps(model, examples, collate, pad_id, args):
 def _train_into_band(model, tokenizer, examples, test, args, t0):
     """SFT until the greedy accuracy on `test` lands in TARGET_BAND (or the best checkpoint in REQUIRED_BAND);
     returns (accuracy, step, state_dict or None for the current weights), or None."""
-
     from .model import greedy_accuracy
 
     fallback = None  # (acc, step, state_dict) inside REQUIRED_BAND, closest to 0.30
@@ -519,7 +518,6 @@ def _tools_metrics(model, tokenizer, test, seed: int) -> dict:
 def _train_tools_into_band(model, tokenizer, examples, test, args, t0):
     """SFT until the sampled well-formed tool-call rate is in TOOLS_WELL_FORMED_BAND with accuracy at most
     TOOLS_ACCURACY_BAND; returns (metrics, step) for the current weights, or None."""
-
     from .tools import tool_accuracy
 
     step, eval_every = 0, args.eval_every
