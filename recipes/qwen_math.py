@@ -483,5 +483,7 @@ if __name__ == "__main__":
 
     main()
     # An undestroyed gloo/NCCL process group can abort the interpreter's exit (SIGABRT, "terminate called without an
-    # active exception": its worker threads outlive Python; pytorch/pytorch#179291). A no-op in a single process.
+    # active exception": its worker threads outlive Python; pytorch/pytorch#179291). Every rank first passes its last
+    # collective, so that no rank tears down a connection its peer still uses. Both are no-ops in a single process.
+    PartialState().wait_for_everyone()
     PartialState().destroy_process_group()

@@ -224,7 +224,11 @@ model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
 rows = make_arithmetic_dataset(num_train=10, num_test=41, seed=0)["test"]  # 41: shards of 21 and 20
 result = accuracy.evaluate_sharded(state, model, tokenizer, rows, max_new_tokens=48, batch_size=16)
 json.dump(result, open(os.path.join(sys.argv[2], f"rank{state.process_index}.json"), "w"))
-state.destroy_process_group()  # a live gloo group can abort the interpreter's exit (pytorch/pytorch#179291)
+# Every rank past its last collective before any rank tears the group down: a rank that destroyed its group and
+# exited while its peer still used a connection made that peer abort ("terminate called without an active exception")
+# in about one run in eight; a live group can abort the interpreter's exit too (pytorch/pytorch#179291).
+state.wait_for_everyone()
+state.destroy_process_group()
 """
 
 
