@@ -163,7 +163,9 @@ def test_trl_parses_tool_calls_in_this_format(tiny_tokenizer, tools_tokenizer):
     assert tools_tokenizer.response_template == qwen3_template
     call = tool_call_text("multiply", {"a": 347, "b": 829}) + "<|im_end|>"
     for tokenizer in (tiny, tools_tokenizer):
-        prefix = tokenizer.apply_chat_template(TOOL_CONVERSATION[:1], tools=[multiply], add_generation_prompt=True)
+        prefix = tokenizer.apply_chat_template(
+            TOOL_CONVERSATION[:1], tools=[multiply], add_generation_prompt=True, return_dict=False
+        )  # ids, as TRL passes them
         ids = tokenizer(call, add_special_tokens=False)["input_ids"]
         parsed = parse_response(tokenizer, ids, prefix=prefix, tools=[multiply])
         assert parsed["tool_calls"] == TOOL_CONVERSATION[1]["tool_calls"]
