@@ -85,6 +85,21 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
+# Student's t, two-sided 95%: the quantile 0.975 by degrees of freedom (1-30); past 30, the normal's 1.96 is near.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def interval95(values: Sequence[float]) -> tuple[float, float]:
+    """The 95% confidence interval of the mean, mean ± t(0.975, n - 1) · standard error; NaNs for fewer than 2."""
+    mean, se = mean_se(values)
+    n = len([v for v in values if v is not None])
+    if n < 2:
+        return math.nan, math.nan
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return mean - t * se, mean + t * se
+
+
 def fmt_mean_se(values: Sequence[float], digits: int = 3, signed: bool = False) -> str:
     mean, se = mean_se(values)
     if math.isnan(mean):
@@ -301,13 +316,20 @@ def render_main_job_seeds(section: Section) -> str:
     gain_diff = [p["async"]["reward_gain"] - p["sync"]["reward_gain"] for p in pairs]
     sync_acc = [p["sync"]["accuracy_after"] for p in pairs]
     sync_gain = [p["sync"]["reward_gain"] for p in pairs]
+    low, high = interval95(acc_diff)
+    ratios = [p["sync"]["train_seconds"] / p["async"]["train_seconds"] for p in pairs]
     out += [
         "",
         f"- Held-out accuracy after training, async − sync: {fmt_mean_se(acc_diff, signed=True)} "
-        f"({se_note(len(pairs), 'seed')}); async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}. "
-        f"Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
+        f"({se_note(len(pairs), 'seed')})"
+        + (f", 95% interval [{low:+.3f}, {high:+.3f}]" if not math.isnan(low) else "")
+        + f"; async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}, lower on "
+        f"{sum(d < 0 for d in acc_diff)}. Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
         f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} ({se_note(len(pairs), 'seed')}); "
         f"the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
+        f"- Training time, sync / async, paired by seed: median {statistics.median(ratios):.2f}× "
+        f"[{min(ratios):.2f}, {max(ratios):.2f}] over {len(ratios)} pairs (the main-job sections measure time; this "
+        "is the same job, one pair per seed).",
     ]
     links = [
         section.link(os.path.splitext(f)[0] + ".png", f"runs of {os.path.basename(f)}")
@@ -322,10 +344,14 @@ def render_main_job_seeds(section: Section) -> str:
 def summary_main_job_seeds(section: Section) -> list[Row]:
     pairs = seed_pairs(section)
     acc_diff = [p["async"]["accuracy_after"] - p["sync"]["accuracy_after"] for p in pairs]
+    regimes = ", ".join(sorted({p["regime"] for p in pairs}))
+    low, high = interval95(acc_diff)
+    interval = f", 95% interval [{low:+.3f}, {high:+.3f}]" if not math.isnan(low) else ""
     return [
         (
-            "The main job's held-out greedy accuracy after training, asynchronous − synchronous, one pair per seed",
-            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')})",
+            "The main job's held-out greedy accuracy after training, asynchronous − synchronous, one pair per seed "
+            f"({regimes})",
+            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')}{interval})",
         )
     ]
 

@@ -147,7 +147,7 @@ MUTATIONS = [
         "pass",
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
         "the generator keeps sampling from the start-up weights (its gate then waits forever: a hang is a kill)",
-        timeout=120.0,  # the guard passes in ~10 s on the real code; a hang would otherwise run to its 300 s
+        timeout=90.0,  # the guard passes in ~25 s on the real code; a hang would otherwise run to its 300 s
     ),
     # --------------------------------------------------------------------------------------- importance correction
     Mutation(
@@ -759,9 +759,9 @@ MUTATIONS = [
         "        return False\n",
         ("tests/test_faults.py::test_sigkill_of_the_trainer_leaves_no_process_and_nothing_in_dev_shm",),
         "a generation process outlives its killed trainer while the trainer's parent reads their shared output",
-        # The guard passes in ~20 s on the real code. The mutant deadlocks (the parent waits for output the generation
-        # process holds open) until the guard's own 300 s timeout; 120 s tells the same.
-        timeout=120.0,
+        # The guard passes in ~25 s on the real code. The mutant deadlocks (the parent waits for output the generation
+        # process holds open) until the guard's own 300 s timeout; 90 s tells the same.
+        timeout=90.0,
     ),
     Mutation(
         "sigterm_kills_at_once",

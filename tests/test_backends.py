@@ -561,6 +561,7 @@ def test_behaviour_logprobs_add_no_vocabulary_sized_memory_per_token():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # bash benchmarks/nightly.sh; CI leaves it out (its hour)
 def test_behaviour_logprobs_memory_at_64_rows_and_64_tokens():
     # The stacked comparison runs at 16 tokens: at 64 it would need ~10 GB on a shared machine.
     check_memory(rows=64, tokens=64, repeats=3, stacked_tokens=16)

@@ -54,6 +54,7 @@ MAIN_OPTIONS: dict[str, tuple[str, ...]] = {
     "benchmarks/bench_vllm_backends.py": ("--rows", "--max-new-tokens", "--repeats", "--out"),
     "benchmarks/docs_style_grpo.py": ("{trl,async,limit}", "MODEL_PATH", "DATA_JSONL", "OUTPUT_DIR", "MAX_STEPS"),
     "benchmarks/gpu_check.sh": ("--fetch-wheels", "--cpu-smoke"),
+    "benchmarks/nightly.sh": ("-m nightly", "-k"),
     "benchmarks/run_all.py": ("--quick", "--smoke", "--render-only", "--list", "--only", "--skip", "--strict"),
     "benchmarks/trl_compat/run_trl_compat.py": ("--trl-repo", "--subset", "--runs", "--reuse-stock", "--output"),
     "-m trl_async.timeline": ("--png", "--no-png", "--steps", "--json", "--top"),

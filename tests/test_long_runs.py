@@ -62,6 +62,7 @@ def test_the_docs_style_script_runs_300_steps_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # bash benchmarks/nightly.sh; CI leaves it out (its hour)
 def test_the_main_job_runs_300_steps_on_two_processes(tmp_path):
     out = tmp_path / "out"
     command = [*_two_processes(), RECIPE, "--output_dir", str(out), "--max_steps", "300"]

@@ -116,6 +116,13 @@ FIXTURES = {
     "main_job_accelerate": main_job([(20.0, 30.0, 0.6, 0.5), (30.0, 33.0, 0.6, 0.5)], regime="accelerate_launch"),
     # accuracy differences +0.04 and -0.02: mean +0.010, standard error stdev / sqrt(2) = 0.030
     "main_job_seeds": main_job([(10.0, 10.0, 0.54, 0.50), (10.0, 10.0, 0.48, 0.50)], seeds=[1, 2]),
+    # async − sync accuracy +0.04, −0.02, +0.01: mean +0.010, sd 0.030, se 0.0173; t(0.975, 2 df) = 4.303 gives the
+    # 95% interval +0.010 ± 0.0745 = [−0.065, +0.085]. Training time sync / async 1.3, 1.2, 1.4.
+    "main_job_seeds_omp2": main_job(
+        [(10.0, 13.0, 0.54, 0.50), (10.0, 12.0, 0.48, 0.50), (10.0, 14.0, 0.51, 0.50)],
+        regime="omp_num_threads_2",
+        seeds=[1, 2, 3],
+    ),
     "docs_style": {
         "summary": {"steps": 120},
         "runs": [
@@ -333,6 +340,8 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "9.99" not in text
     assert "+0.010 ± 0.030 (mean ± standard error over 2 seeds)" in text  # accuracy over seeds
     assert "the synchronous gain alone ranges from +0.200 to +0.200" in text
+    assert "+0.010 ± 0.017 (mean ± standard error over 3 seeds), 95% interval [-0.065, +0.085]" in text  # omp2 seeds
+    assert "median 1.30× [1.20, 1.40] over 3 pairs" in text  # the seeds study's paired training time
     assert "1.75× [1.50, 2.00] over 2 repeats" in text  # bench_async, free
     assert "1.25× (1 repeat)" in text  # bench_async, forced 64
     assert "0.80× (1 repeat)" in text  # vLLM backend in training
