@@ -100,6 +100,12 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
     return mean - t * se, mean + t * se
 
 
+def fmt_interval95(values: Sequence[float]) -> str:
+    """`, 95% interval [low, high]` (signed), or nothing where there is no interval (fewer than 2 values)."""
+    low, high = interval95(values)
+    return "" if math.isnan(low) else f", 95% interval [{low:+.3f}, {high:+.3f}]"
+
+
 def fmt_mean_se(values: Sequence[float], digits: int = 3, signed: bool = False) -> str:
     mean, se = mean_se(values)
     if math.isnan(mean):
@@ -316,14 +322,11 @@ def render_main_job_seeds(section: Section) -> str:
     gain_diff = [p["async"]["reward_gain"] - p["sync"]["reward_gain"] for p in pairs]
     sync_acc = [p["sync"]["accuracy_after"] for p in pairs]
     sync_gain = [p["sync"]["reward_gain"] for p in pairs]
-    low, high = interval95(acc_diff)
     ratios = [p["sync"]["train_seconds"] / p["async"]["train_seconds"] for p in pairs]
     out += [
         "",
         f"- Held-out accuracy after training, async − sync: {fmt_mean_se(acc_diff, signed=True)} "
-        f"({se_note(len(pairs), 'seed')})"
-        + (f", 95% interval [{low:+.3f}, {high:+.3f}]" if not math.isnan(low) else "")
-        + f"; async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}, lower on "
+        f"({se_note(len(pairs), 'seed')}){fmt_interval95(acc_diff)}; async higher on {sum(d > 0 for d in acc_diff)} of {len(pairs)}, lower on "
         f"{sum(d < 0 for d in acc_diff)}. Synchronous runs alone range from {min(sync_acc):.3f} to {max(sync_acc):.3f}.",
         f"- Reward gain, async − sync: {fmt_mean_se(gain_diff, signed=True)} ({se_note(len(pairs), 'seed')}); "
         f"the synchronous gain alone ranges from {min(sync_gain):+.3f} to {max(sync_gain):+.3f}.",
@@ -345,13 +348,11 @@ def summary_main_job_seeds(section: Section) -> list[Row]:
     pairs = seed_pairs(section)
     acc_diff = [p["async"]["accuracy_after"] - p["sync"]["accuracy_after"] for p in pairs]
     regimes = ", ".join(sorted({p["regime"] for p in pairs}))
-    low, high = interval95(acc_diff)
-    interval = f", 95% interval [{low:+.3f}, {high:+.3f}]" if not math.isnan(low) else ""
     return [
         (
             "The main job's held-out greedy accuracy after training, asynchronous − synchronous, one pair per seed "
             f"({regimes})",
-            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')}{interval})",
+            f"{fmt_mean_se(acc_diff, signed=True)} ({se_note(len(pairs), 'seed')}{fmt_interval95(acc_diff)})",
         )
     ]
 

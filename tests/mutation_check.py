@@ -1044,6 +1044,14 @@ MUTATIONS = [
         "TRL's scoring of a rollout batch draws and resets the trainer's own environment instances for its rows",
     ),
     Mutation(
+        "seeds_interval_uses_the_normal_quantile",
+        "benchmarks/render_results.py",
+        "    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96\n",
+        "    t = 1.96\n",
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the seeds study's 95% interval over a few seeds uses the normal's 1.96 instead of Student's t: too narrow",
+    ),
+    Mutation(
         "rollout_func_extra_fields_dropped",
         "trl_async/rollout/agentic.py",
         "                if isinstance(values, list) and i < len(values):\n                    row[key] = values[i]",
