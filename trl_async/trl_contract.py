@@ -177,14 +177,21 @@ def self_attribute_reads(function) -> set[str]:
     }
 
 
+def _methods_named(trainer_class, expectations: dict, mismatches: list[str]):
+    """(name, expected, method) for each name of `expectations` that `trainer_class` has; '<name>: missing' goes to
+    `mismatches` for each it lacks."""
+    for name, expected in expectations.items():
+        method = getattr(trainer_class, name, None)
+        if method is None:
+            mismatches.append(f"{name}: missing")
+        else:
+            yield name, expected, method
+
+
 def host_attribute_mismatches(trainer_class) -> list[str]:
     """TRL's multi-turn methods whose `self.<name>` reads differ from `TOOL_LOOP_HOST_ATTRIBUTES`, by name."""
     mismatches = []
-    for method, expected in TOOL_LOOP_HOST_ATTRIBUTES.items():
-        function = getattr(trainer_class, method, None)
-        if function is None:
-            mismatches.append(f"{method}: missing")
-            continue
+    for method, expected, function in _methods_named(trainer_class, TOOL_LOOP_HOST_ATTRIBUTES, mismatches):
         reads = self_attribute_reads(function)
         new, gone = sorted(reads - set(expected)), sorted(set(expected) - reads)
         if new:
@@ -197,11 +204,7 @@ def host_attribute_mismatches(trainer_class) -> list[str]:
 def hook_mismatches(trainer_class) -> list[str]:
     """The hooks of `trainer_class` (TRL's `GRPOTrainer`) whose leading parameters differ from `HOOKS`."""
     mismatches = []
-    for name, expected in HOOKS.items():
-        method = getattr(trainer_class, name, None)
-        if method is None:
-            mismatches.append(f"{name}: missing")
-            continue
+    for name, expected, method in _methods_named(trainer_class, HOOKS, mismatches):
         parameters = tuple(inspect.signature(method).parameters)[: len(expected)]
         if parameters != expected:
             mismatches.append(f"{name}{parameters}: expected {expected}")

@@ -16,7 +16,6 @@ This module is imported by the generation process: it imports neither TRL nor tr
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
@@ -175,10 +174,6 @@ def check_eos_and_pad(tokenizer: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- rewards
-def _reward_name(fn: Any) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _missing_arguments(fn: Any, provided: set[str], skip_positional: int = 0) -> list[str]:
@@ -202,7 +197,8 @@ def _missing_arguments(fn: Any, provided: set[str], skip_positional: int = 0) ->
 def check_reward_funcs(reward_funcs: Any, args=None, dataset_columns: Sequence[str] | None = None) -> None:
     """Each entry of `reward_funcs` is a callable, a model or a model id; each function's required arguments and
     required dataset columns are among what TRL passes it (when the dataset's columns are known)."""
-    from ..rewards.base import TensorReward, _FunctionTensorReward, is_tensor_reward
+    from ..rewards.base import TensorReward, _FunctionTensorReward, is_tensor_reward, unwrap_partial
+    from ..rewards.runner import reward_name
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
     for index, fn in enumerate(funcs):
@@ -225,9 +221,7 @@ def check_reward_funcs(reward_funcs: Any, args=None, dataset_columns: Sequence[s
     for index, fn in enumerate(funcs):
         if isinstance(fn, str) or (isinstance(fn, torch.nn.Module) and not is_tensor_reward(fn)):
             continue
-        target = fn
-        while isinstance(target, functools.partial):
-            target = target.func
+        target = unwrap_partial(fn)
         if isinstance(target, TensorReward):
             score = target.fn if isinstance(target, _FunctionTensorReward) else target.score  # @tensor_reward or class
             missing = _missing_arguments(score if fn is target else fn, passed, skip_positional=2)
@@ -243,7 +237,7 @@ def check_reward_funcs(reward_funcs: Any, args=None, dataset_columns: Sequence[s
                 else ""
             )
             raise ValueError(
-                f"reward_funcs[{index}] ('{_reward_name(fn)}') needs the dataset column(s) {missing}, which "
+                f"reward_funcs[{index}] ('{reward_name(fn)}') needs the dataset column(s) {missing}, which "
                 f"train_dataset does not pass to it (its columns: {sorted(dataset_columns)}){hint}. Add the column "
                 "to the dataset, or give the parameter a default."
             )

@@ -258,10 +258,16 @@ def check_tokenizer_argument(tokenizer: Any, owner: str, optional: bool = False)
         )
 
 
-def is_tensor_reward(fn: Any) -> bool:
-    """True for [`TensorReward`] instances and callables carrying `__tensor_reward__ = True`."""
+def unwrap_partial(fn: Any) -> Any:
+    """The callable inside any number of `functools.partial` layers (what TRL's `get_callable_name` names)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    return fn
+
+
+def is_tensor_reward(fn: Any) -> bool:
+    """True for [`TensorReward`] instances and callables carrying `__tensor_reward__ = True`."""
+    fn = unwrap_partial(fn)
     return isinstance(fn, TensorReward) or getattr(fn, "__tensor_reward__", False) is True
 
 

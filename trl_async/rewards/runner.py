@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import numbers
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import TensorReward, is_tensor_reward
+from .base import TensorReward, is_tensor_reward, unwrap_partial
 
 __all__ = ["score_completions", "prepare_rewards", "reward_name"]
 
@@ -44,15 +43,8 @@ _NOT_SCORED = "return None (or NaN) for the rows it cannot score, as in TRL"
 
 def reward_name(fn: Any) -> str:
     """TRL's display name for a reward callable (`trl.trainer.utils.get_callable_name`)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = unwrap_partial(fn)
     return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _tensor_reward_object(fn: Any) -> Any:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return fn
 
 
 def prepare_rewards(reward_funcs: Sequence[Callable[..., Any]], columns: dict[str, Sequence[Any]]) -> None:
@@ -73,7 +65,7 @@ def prepare_rewards(reward_funcs: Sequence[Callable[..., Any]], columns: dict[st
     for fn in reward_funcs:
         if not is_tensor_reward(fn):
             continue
-        target = _tensor_reward_object(fn)
+        target = unwrap_partial(fn)
         prepare = getattr(target, "prepare", None)
         if callable(prepare):
             prepare(**columns)

@@ -75,15 +75,34 @@ class PackedRows:
         return values.masked_fill(~in_segment, 0)
 
 
-def _prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int):
-    """(group of each row, one row of each group): rows whose prompts are identical, same tokens and same padding,
-    share a group."""
+@dataclasses.dataclass(frozen=True)
+class _PromptGroups:
+    """Rows `[prompt, completion]` grouped by identical prompts (same tokens and same padding)."""
+
+    prompt_width: int  # P: the batch's width less logits_to_keep
+    group_of_row: torch.Tensor  # (B,) each row's group
+    first_row: torch.Tensor  # (N,) one row of each group
+
+    @property
+    def num_groups(self) -> int:
+        return self.first_row.numel()
+
+
+def _prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, min_prompt_width: int
+) -> _PromptGroups | None:
+    """The prompt groups of TRL's layout (left-padded prompts, then `logits_to_keep` completion columns); None when
+    there is nothing to share: fewer than two rows, or prompts narrower than `min_prompt_width`."""
+    num_rows, width = input_ids.shape
+    prompt_width = width - logits_to_keep
+    if prompt_width < min_prompt_width or num_rows < 2:
+        return None
     prompts = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width].to(input_ids.dtype)], dim=1)
     _, group_of_row = torch.unique(prompts, dim=0, return_inverse=True)
-    num_rows, num_groups = group_of_row.numel(), int(group_of_row.max()) + 1
+    num_groups = int(group_of_row.max()) + 1
     first_row = torch.zeros(num_groups, dtype=torch.long, device=input_ids.device)
     first_row[group_of_row.flip(0)] = torch.arange(num_rows - 1, -1, -1, device=input_ids.device)
-    return group_of_row, first_row
+    return _PromptGroups(prompt_width, group_of_row, first_row)
 
 
 def pack_prompt_groups(
@@ -95,14 +114,12 @@ def pack_prompt_groups(
     """Pack rows `[prompt, completion]` (left-padded prompts, right-padded completions: TRL's layout) whose prompts are
     identical (same tokens, same padding) into one sequence per prompt; None if that saves less than `min_saving` of
     the tokens (e.g. every prompt distinct), or if a prompt is shorter than one token."""
-    num_rows, width = input_ids.shape
-    L = logits_to_keep
-    P = width - L
-    if P < 1 or num_rows < 2:
+    groups = _prompt_groups(input_ids, attention_mask, logits_to_keep, min_prompt_width=1)
+    if groups is None:
         return None
+    (num_rows, width), L, P = input_ids.shape, logits_to_keep, groups.prompt_width
+    group_of_row, first_row, num_groups = groups.group_of_row, groups.first_row, groups.num_groups
     device = input_ids.device
-    group_of_row, first_row = _prompt_groups(input_ids, attention_mask, P)
-    num_groups = first_row.numel()
     # Each row's completion is cut after its last real token: right padding is neither computed nor attended to.
     completion_valid = attention_mask[:, P:].bool()
     real_length = (completion_valid * torch.arange(1, L + 1, device=device)).amax(dim=1)  # (B,) last real token + 1
@@ -197,16 +214,14 @@ def split_prompt_prefix(
 ) -> PromptPrefix | None:
     """Split rows `[prompt, completion]` (TRL's layout) into one prefix per distinct prompt (same tokens and padding)
     and each row's suffix `[prompt[-1], completion]`; None if that saves less than `min_saving` of the tokens."""
-    num_rows, width = input_ids.shape
-    L = logits_to_keep
-    P = width - L
-    if P < 2 or num_rows < 2:
+    groups = _prompt_groups(input_ids, attention_mask, logits_to_keep, min_prompt_width=2)
+    if groups is None:
         return None
+    (num_rows, width), L, P = input_ids.shape, logits_to_keep, groups.prompt_width
+    if groups.num_groups * (P - 1) + num_rows * (1 + L) > (1 - min_saving) * num_rows * width:
+        return None
+    row_group, first_row, num_groups = groups.group_of_row, groups.first_row, groups.num_groups
     device = input_ids.device
-    row_group, first_row = _prompt_groups(input_ids, attention_mask, P)
-    num_groups = first_row.numel()
-    if num_groups * (P - 1) + num_rows * (1 + L) > (1 - min_saving) * num_rows * width:
-        return None
     prefix_valid = attention_mask[first_row, : P - 1].bool()  # (N, P−1): left padding is False
     suffix_valid = attention_mask[:, P - 1 :].bool()  # (B, 1+L): right padding is False
     # Every query also attends itself, so that none (a padding position) is left with nothing to attend: a fully
