@@ -217,7 +217,7 @@ REGISTRY: list[Benchmark] = [
         {
             "smoke": "{python} benchmarks/bench_real_size.py --steps 2 --completion-length 8 "
             "--out {results}/bench_real_size.json",
-            "full": "{python} benchmarks/bench_real_size.py --out {results}/bench_real_size.json",
+            "full": "{python} benchmarks/bench_real_size.py --pairs 3 --out {results}/bench_real_size.json",
         },
         R.render_real_size,
         R.summary_real_size,
