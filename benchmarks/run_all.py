@@ -652,7 +652,7 @@ def status_mark(loaded: Loaded) -> str:
 
 
 def results_table(loaded: list[Loaded], doc_dir: str) -> str:
-    rows = []
+    rows, marks = [], set()
     for item in loaded:
         if item.bench.summary is None:
             continue
@@ -662,14 +662,19 @@ def results_table(loaded: list[Loaded], doc_dir: str) -> str:
         for what, figure in item.bench.summary(item.section):
             sources = ", ".join(item.section.link(f) for f in item.section.files)
             mark = status_mark(item)
+            marks.add(mark)
             rows.append([what, figure, sources + (f" ({mark})" if mark else "")])
     lines = R.table(["Measured", "Result", "Source"], rows)
-    note = (
-        "Paired ratios: median [min, max] over pairs (or repeats) run back to back; ± is the standard error of the "
-        "mean. _earlier_: measured before `benchmarks/run_all.py` existed, on a 2-core development machine that "
-        "other work shared, to be replaced by a rerun; _quick_: fewer pairs than the full run."
-    )
-    return lines + "\n\n" + note
+    # The legend explains only the marks the table uses.
+    legend = {
+        "earlier": "_earlier_: measured before `benchmarks/run_all.py` existed, on a 2-core development machine that "
+        "other work shared, to be replaced by a rerun",
+        "quick": "_quick_: fewer pairs than the full run",
+        "full": "_full_: `benchmarks/run_all.py`'s full run",
+    }
+    note = "Paired ratios: median [min, max] over pairs (or repeats) run back to back; ± is the standard error of the mean"
+    explained = "".join(f"; {text}" for mark, text in legend.items() if mark in marks)
+    return lines + "\n\n" + note + explained + "."
 
 
 def render(args: argparse.Namespace, mode_run: str | None, failures: list[str]) -> str:
