@@ -1052,6 +1052,14 @@ MUTATIONS = [
         "the seeds study's 95% interval over a few seeds uses the normal's 1.96 instead of Student's t: too narrow",
     ),
     Mutation(
+        "results_legend_always_defines_earlier",
+        "benchmarks/run_all.py",
+        '    explained = "".join(f"; {text}" for mark, text in legend.items() if mark in marks)\n',
+        '    explained = "".join(f"; {text}" for mark, text in legend.items())\n',
+        ("tests/test_run_all.py::test_the_table_legend_explains_only_the_marks_its_rows_use",),
+        "README's legend defines _earlier_ (and every other mark) whatever its rows are marked",
+    ),
+    Mutation(
         "rollout_func_extra_fields_dropped",
         "trl_async/rollout/agentic.py",
         "                if isinstance(values, list) and i < len(values):\n                    row[key] = values[i]",

@@ -373,6 +373,26 @@ def test_render_only_rewrites_only_the_readme_table(tmp_path):
     assert "](results/bench_main_job.json)" in table  # links from README's folder to the results file
 
 
+def test_the_table_legend_explains_only_the_marks_its_rows_use(tmp_path):
+    """README's legend defines _earlier_ only while a row is marked earlier (issue 33: no 'earlier' row left)."""
+    benchmarks = write_results(tmp_path, FIXTURES)
+    module = run_all_module()
+
+    def table() -> str:
+        proc = render_only(tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return (tmp_path / "README.md").read_text().split(module.README_START, 1)[1].split(module.README_END, 1)[0]
+
+    assert "(earlier)" not in table() and "_earlier_" not in table()
+    # one benchmark known only from its earlier measurement: its row is marked, and the legend says what that means
+    bench = benchmarks["docs_style"]
+    earlier = tmp_path / "results" / bench.earlier.files[0]
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "results" / bench.output).rename(earlier)
+    shown = table()
+    assert "(earlier)" in shown and "_earlier_: measured before `benchmarks/run_all.py` existed" in shown
+
+
 def test_a_missing_results_file_is_never_rendered_silently(tmp_path):
     benchmarks = write_results(tmp_path, [n for n in FIXTURES if n != "main_job"])
     # without --strict: the headline is shown as not measured, with the command that measures it
