@@ -1,6 +1,6 @@
 """Rerun the benchmarks behind README's figures and write benchmarks/RESULTS.md from their JSON files.
 
-    python benchmarks/run_all.py --quick          # the headline benchmarks, fewer pairs/repeats (~15 min on 2 cores)
+    python benchmarks/run_all.py --quick          # the headline benchmarks, fewer pairs/repeats (~19 min on 2 cores)
     python benchmarks/run_all.py                  # everything (~2 h on 2 cores; + TRL's tests with --trl-repo)
     python benchmarks/run_all.py --render-only    # rewrite RESULTS.md and README's table from the JSON files
     python benchmarks/run_all.py --only main_job,docs_style --quick    # a subset
