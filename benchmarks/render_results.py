@@ -14,6 +14,7 @@ a summary the benchmark wrote, so a summary that drifted from its runs cannot re
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -232,6 +233,17 @@ def render_main_job(section: Section) -> str:
     limit = limit_text(data.get("summary", {}).get("limit_ideal_overlap_ratio"))
     if limit:
         out.append(f"- {limit}")
+    bound = core_bound(section)
+    if bound:
+        reference, cores, one_thread_s, ratio = bound
+        out.append(
+            f"- What {cores} cores allow at most: the synchronous run on one thread takes {one_thread_s:.1f} s "
+            f"(median training time, {section.link(reference)}); {cores} cores, each at one thread's speed, do that "
+            f"work in no less than {one_thread_s / cores:.1f} s, so asynchronous generation can be at most "
+            f"{med['sync']:.1f} / {one_thread_s / cores:.1f} = **{ratio:.2f}×** faster than this synchronous run, "
+            "however it overlaps the stages (both modes do the same work, and per core one thread is never slower "
+            "than several threads splitting it)."
+        )
     gains = {m: [p[m]["reward_gain"] for p in pairs if p[m].get("reward_gain") is not None] for m in ("async", "sync")}
     if gains["async"] and gains["sync"]:
         out.append(
@@ -258,6 +270,35 @@ def render_main_job(section: Section) -> str:
         ]
     )
     return "\n".join(out + (["", pictures] if pictures else []))
+
+
+def core_bound(section: Section) -> tuple[str, int, float, float] | None:
+    """The most any overlap can give on this machine's cores, for a main-job file whose synchronous runs use every
+    core: (the one-thread reference file, cores, its synchronous median training seconds, the bound).
+
+    Overlap cannot create compute: both modes do the same work, and on C cores it takes at least W1 / C seconds,
+    where W1 is its time on one thread (a core running one thread is at least as fast per core as C threads sharing
+    the work). So the synchronous / asynchronous ratio is at most S / (W1 / C), S this file's synchronous median.
+    W1 comes from the file named by the renderer option `one_thread_reference` (beside this one): the main job under
+    `accelerate launch`, whose launcher gives the synchronous run one thread. None without that option or file."""
+    name = section.options.get("one_thread_reference")
+    if not name:
+        return None
+    reference = section.beside(section.files[0], name)
+    if not os.path.exists(reference):
+        return None
+    with open(reference) as f:
+        one_thread = json.load(f)
+    seen = one_thread.get("environment", {}).get("seen_by_the_recipe", {})
+    cores = seen.get("usable_cores")
+    if seen.get("torch_num_threads") != 1 or not cores or cores < 2:
+        return None  # the reference's synchronous run did not compute on one thread: no bound from it
+    machine = [d.get("run_all", {}).get("machine", {}) for d in (section.first, one_thread)]
+    if [(m.get("cpu"), m.get("cores")) for m in machine] != [(machine[0].get("cpu"), cores)] * 2:
+        return None  # measured on another kind of machine (or not recorded): its one-thread time says nothing here
+    one_thread_s = statistics.median(p["sync"]["train_seconds"] for p in main_job_pairs(one_thread))
+    sync_s = statistics.median(p["sync"]["train_seconds"] for p in main_job_pairs(section.first))
+    return reference, cores, one_thread_s, sync_s / (one_thread_s / cores)
 
 
 def limit_text(limit: dict | None) -> str | None:
@@ -288,6 +329,9 @@ def summary_main_job(section: Section) -> list[Row]:
     }[main_job_regime(data)]
     limit = data.get("summary", {}).get("limit_ideal_overlap_ratio")
     limit = f"; limit {limit['median']:.2f}×" if limit else ""
+    bound = core_bound(section)
+    if bound:
+        limit += f", {bound[1]} cores allow at most {bound[3]:.2f}×"
     return [(what, f"**{fmt_ratio(main_job_speedups(data))}** ({med['async']:.0f} s vs {med['sync']:.0f} s{limit})")]
 
 

@@ -104,6 +104,7 @@ REGISTRY: list[Benchmark] = [
         R.render_main_job,
         R.summary_main_job,
         env=NO_THREAD_SETTINGS,
+        options={"one_thread_reference": "bench_main_job_accelerate.json"},  # what the cores allow
     ),
     Benchmark(
         "main_job_accelerate",
@@ -136,6 +137,7 @@ REGISTRY: list[Benchmark] = [
         R.render_main_job,
         R.summary_main_job,
         env=NO_THREAD_SETTINGS,
+        options={"one_thread_reference": "bench_main_job_accelerate.json"},  # what the cores allow
     ),
     Benchmark(
         "main_job_two_processes",

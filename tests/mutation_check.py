@@ -1060,6 +1060,26 @@ MUTATIONS = [
         "README's legend defines _earlier_ (and every other mark) whatever its rows are marked",
     ),
     Mutation(
+        "core_bound_ignores_the_cores",
+        "benchmarks/render_results.py",
+        "    return reference, cores, one_thread_s, sync_s / (one_thread_s / cores)\n",
+        "    return reference, cores, one_thread_s, sync_s / one_thread_s\n",
+        (
+            "tests/test_run_all.py::test_the_main_job_states_what_the_cores_allow_from_a_one_thread_run_of_the_same_machine",
+        ),
+        "the bound of what the cores allow divides by the one-thread time, not by that time over the cores",
+    ),
+    Mutation(
+        "core_bound_from_another_machine",
+        "benchmarks/render_results.py",
+        '    if [(m.get("cpu"), m.get("cores")) for m in machine] != [(machine[0].get("cpu"), cores)] * 2:\n',
+        "    if False:\n",
+        (
+            "tests/test_run_all.py::test_the_main_job_states_what_the_cores_allow_from_a_one_thread_run_of_the_same_machine",
+        ),
+        "the bound of what the cores allow is drawn from a one-thread run of another kind of machine",
+    ),
+    Mutation(
         "rollout_func_extra_fields_dropped",
         "trl_async/rollout/agentic.py",
         "                if isinstance(values, list) and i < len(values):\n                    row[key] = values[i]",

@@ -393,6 +393,41 @@ def test_the_table_legend_explains_only_the_marks_its_rows_use(tmp_path):
     assert "(earlier)" in shown and "_earlier_: measured before `benchmarks/run_all.py` existed" in shown
 
 
+def test_the_main_job_states_what_the_cores_allow_from_a_one_thread_run_of_the_same_machine(tmp_path):
+    """The bound that no overlap can beat on C cores: the synchronous run's median over (the one-thread synchronous
+    median / C). Here 95 s (sync 100 and 90) over 76 s / 2 cores = 2.50×; drawn only from a reference whose
+    synchronous run computed on one thread, on the same kind of machine."""
+    write_results(tmp_path, FIXTURES)
+    machine = {"cpu": "Test CPU", "cores": 2}
+    stamp = {"mode": "full", "command": "python benchmarks/bench_main_job.py", "started": "2026-12-04T10:00:00+00:00",
+             "seconds": 100.0, "machine": machine}  # fmt: skip
+    same_cores = json.loads(json.dumps(FIXTURES["main_job"]))
+    same_cores["run_all"] = stamp
+    reference = main_job([(40.0, 76.0, 0.6, 0.5), (40.0, 76.0, 0.6, 0.5)], regime="accelerate_launch")
+    reference["environment"]["seen_by_the_recipe"].update(torch_num_threads=1, usable_cores=2)
+    reference["run_all"] = dict(stamp)
+    folder = tmp_path / "results"
+
+    def rendered(reference_file: dict) -> tuple[str, str]:
+        (folder / "bench_main_job.json").write_text(json.dumps(same_cores))
+        (folder / "bench_main_job_accelerate.json").write_text(json.dumps(reference_file))
+        proc = render_only(tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return (tmp_path / "RESULTS.md").read_text(), (tmp_path / "README.md").read_text()
+
+    results, readme = rendered(reference)
+    assert "**1.75× [1.50, 2.00] over 2 pairs** (55 s vs 95 s, 2 cores allow at most 2.50×)" in readme
+    assert "takes 76.0 s" in results and "no less than 38.0 s" in results and "95.0 / 38.0 = **2.50×**" in results
+    # no bound from a reference run on two threads, or on another kind of machine
+    two_threads = json.loads(json.dumps(reference))
+    two_threads["environment"]["seen_by_the_recipe"]["torch_num_threads"] = 2
+    other_machine = json.loads(json.dumps(reference))
+    other_machine["run_all"]["machine"] = {"cpu": "Another CPU", "cores": 2}
+    for unusable in (two_threads, other_machine):
+        results, readme = rendered(unusable)
+        assert "cores allow" not in results and "cores allow" not in readme
+
+
 def test_a_missing_results_file_is_never_rendered_silently(tmp_path):
     benchmarks = write_results(tmp_path, [n for n in FIXTURES if n != "main_job"])
     # without --strict: the headline is shown as not measured, with the command that measures it
