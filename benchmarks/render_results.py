@@ -309,7 +309,8 @@ def limit_text(limit: dict | None) -> str | None:
     spread = f" [{limit['min']:.2f}, {limit['max']:.2f}] over {len(values)} runs" if len(values) > 1 else ""
     return (
         f"The limit, from the synchronous runs' timelines: (generation + training) / max(generation, training) = "
-        f"{limit['median']:.2f}×{spread}, what overlapping the two stages could give at most"
+        f"{limit['median']:.2f}×{spread}, what overlapping the two stages could give at most if each kept the "
+        "cores it has in the synchronous run."
     )
 
 
