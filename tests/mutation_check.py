@@ -1060,6 +1060,16 @@ MUTATIONS = [
         "README's legend defines _earlier_ (and every other mark) whatever its rows are marked",
     ),
     Mutation(
+        "generate_replaced_on_the_instance_is_ignored",
+        "trl_async/trainers/engine.py",
+        "            check_generate_not_replaced(self.model, self._unwrap(self.model))\n",
+        "",
+        (
+            "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_leaves_nothing_behind[generate_replaced_on_the_instance]",
+        ),
+        "a generate patched on the trainer's model instance is silently ignored by the generation process",
+    ),
+    Mutation(
         "core_bound_ignores_the_cores",
         "benchmarks/render_results.py",
         "    return reference, cores, one_thread_s, sync_s / (one_thread_s / cores)\n",

@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -205,6 +206,12 @@ class User:
 
     def train(self, resume=None, **kwargs):
         self.trainer(**kwargs).train(resume_from_checkpoint=resume)
+
+    def train_with_generate_replaced(self):
+        """`trainer.model.generate` patched on the instance, as TRL's own tool tests do, then `train()`."""
+        trainer = self.trainer()
+        with mock.patch.object(trainer.model, "generate", side_effect=AssertionError("the patched generate ran")):
+            trainer.train()
 
     def train_with_the_tools_model(self, **kwargs):
         """The tools variant of the tiny model (which calls its `multiply` tool) on multiplication problems."""
@@ -449,6 +456,9 @@ CASES = [
       lambda u: u.train(dataset=u.dataset(environment=["sandbox"] * 15 + ["abacus"]),
                         environment_factory={"sandbox": Sandbox}),
       ValueError, ("environment='abacus'", "environment_factory"), "train"),
+    C("generate_replaced_on_the_instance", "`patch.object(trainer.model, \"generate\", ...)` before `train()`",
+      lambda u: u.train_with_generate_replaced(), ValueError, ("trainer.model.generate", "async_generation=False"),
+      "train"),
     C("tool_hangs", "a tool that does not return within `tool_timeout=1`",
       lambda u: u.train_with_the_tools_model(config=dict(tool_timeout=1.0), tools=[_hanging_multiply]),
       GeneratorError, ("ToolTimeoutError", "tool 'multiply'", "tool_timeout=1s"), "batch"),

@@ -88,6 +88,7 @@ SUBSETS = {
 # Human labels for failure causes, matched in order against "message | root cause"; unmatched failures are grouped by
 # their normalized message.
 CAUSE_LABELS: list[tuple[str, str]] = [
+    (r"generate is replaced on the model instance", "`trainer.model.generate` patched on the instance: refused"),
     (r"Timeout", "timed out"),
     (r"reward model .*only callables|nn\.Module reward", "reward model (nn.Module reward func) refused"),
     (r"iterable train_dataset|IterableDataset", "iterable (streaming) dataset refused"),

@@ -103,6 +103,19 @@ def check_async_supported(
         )
 
 
+def check_generate_not_replaced(*models) -> None:
+    """Refuse a `generate` replaced on the model instance (`unittest.mock.patch.object(trainer.model, "generate",
+    ...)`, a monkey-patch), checked as asynchronous training starts: the generation process samples from its own copy
+    of the model, rebuilt from the model's class, config and weights, so the replacement would be silently ignored and
+    the run would train on what the unpatched model samples. `models`: `trainer.model` and its unwrapped module."""
+    if any("generate" in vars(model) for model in models if model is not None):
+        raise ValueError(
+            "trainer.model.generate is replaced on the model instance (a patch or a monkey-patch): asynchronous "
+            "generation samples in its generation process, from its own copy of the model, which cannot call the "
+            f"replacement. To use it, {ASYNC_OFF}."
+        )
+
+
 AGENTIC_ARGUMENTS = ("tools", "environment_factory", "rollout_func")  # `GRPOTrainer.__init__`'s, in this order
 
 

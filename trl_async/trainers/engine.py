@@ -45,7 +45,12 @@ from ..algorithms.offpolicy import (
 )
 from ..config import async_field
 from ..config.inputs import check_inputs_after_init, check_inputs_before_init
-from ..config.refusals import AGENTIC_ARGUMENTS, agentic_arguments, check_async_supported
+from ..config.refusals import (
+    AGENTIC_ARGUMENTS,
+    agentic_arguments,
+    check_async_supported,
+    check_generate_not_replaced,
+)
 from ..hub import ModelCardMixin
 from ..rollout.generator import warm_up_generator_start
 from ..rollout.pipeline import RolloutBatch, RolloutPipeline, RolloutSettings
@@ -314,6 +319,7 @@ class AsyncRolloutMixin(ModelCardMixin):
         """The next generation batch fresh enough on every rank (the generation process starts at the first one)."""
         if not self._rollout.started:
             check_environment_routing(self)
+            check_generate_not_replaced(self.model, self._unwrap(self.model))
             where = placement(self)
             self._rollout.start(
                 generator_spec(self, where),
