@@ -1070,6 +1070,14 @@ MUTATIONS = [
         "a generate patched on the trainer's model instance is silently ignored by the generation process",
     ),
     Mutation(
+        "fsdp2_generate_registration_refused_as_a_patch",
+        "trl_async/config/refusals.py",
+        '        return getattr(wrapped, "__func__", None) is not getattr(type(model), "generate", None)\n',
+        "        return True\n",
+        ("tests/test_sharded.py::test_fsdp2_full_fine_tune_with_checkpoint_wrappers",),
+        "FSDP2's registration of generate (transformers' Trainer makes it) is refused as a user's patch",
+    ),
+    Mutation(
         "core_bound_ignores_the_cores",
         "benchmarks/render_results.py",
         "    return reference, cores, one_thread_s, sync_s / (one_thread_s / cores)\n",

@@ -133,16 +133,19 @@ def test_a_default_async_dapo_step_runs_as_many_forwards_as_trls_step(tmp_path, 
             **overrides), train_dataset=dataset, processing_class=tokenizer,
         )  # fmt: skip
         calls = {"forward": 0, "generating": False}
-        original_generate = model.generate
+        if name == "trl":  # TRL generates in this process: its generate's forwards are not training forwards. The
+            # async trainer generates in its generation process only (`trainer_generates_while_starting=False`), and
+            # refuses a generate replaced on the instance.
+            original_generate = model.generate
 
-        def generate(*args, _original=original_generate, _calls=calls, **kwargs):
-            _calls["generating"] = True
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                _calls["generating"] = False
+            def generate(*args, _original=original_generate, _calls=calls, **kwargs):
+                _calls["generating"] = True
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    _calls["generating"] = False
 
-        model.generate = generate
+            model.generate = generate
         model.register_forward_hook(
             lambda *a, _calls=calls: _calls.__setitem__("forward", _calls["forward"] + (not _calls["generating"]))
         )

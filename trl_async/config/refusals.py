@@ -103,12 +103,32 @@ def check_async_supported(
         )
 
 
+def _generate_replaced(model) -> bool:
+    """`model.generate` is an attribute of the instance, other than FSDP2's registration of the class's own method
+    (`torch.distributed.fsdp.register_fsdp_forward_method`, which transformers' Trainer applies to `generate` under
+    FSDP2 so that the parameters are gathered for it: the same method, with the gathering around it)."""
+    method = vars(model).get("generate")
+    if method is None:
+        return False
+    function = getattr(method, "__func__", method)
+    # FSDP's wrapper is known by its code: `functools.wraps` gave it the wrapped method's names.
+    code = getattr(function, "__code__", None)
+    if (
+        code is not None
+        and code.co_name == "wrapped_method"
+        and "torch/distributed/fsdp/" in code.co_filename.replace(os.sep, "/")
+    ):
+        wrapped = getattr(function, "__wrapped__", None)
+        return getattr(wrapped, "__func__", None) is not getattr(type(model), "generate", None)
+    return True
+
+
 def check_generate_not_replaced(*models) -> None:
     """Refuse a `generate` replaced on the model instance (`unittest.mock.patch.object(trainer.model, "generate",
     ...)`, a monkey-patch), checked as asynchronous training starts: the generation process samples from its own copy
     of the model, rebuilt from the model's class, config and weights, so the replacement would be silently ignored and
     the run would train on what the unpatched model samples. `models`: `trainer.model` and its unwrapped module."""
-    if any("generate" in vars(model) for model in models if model is not None):
+    if any(_generate_replaced(model) for model in models if model is not None):
         raise ValueError(
             "trainer.model.generate is replaced on the model instance (a patch or a monkey-patch): asynchronous "
             "generation samples in its generation process, from its own copy of the model, which cannot call the "
