@@ -293,8 +293,8 @@ def core_bound(section: Section) -> tuple[str, int, float, float] | None:
     cores = seen.get("usable_cores")
     if seen.get("torch_num_threads") != 1 or not cores or cores < 2:
         return None  # the reference's synchronous run did not compute on one thread: no bound from it
-    machine = [d.get("run_all", {}).get("machine", {}) for d in (section.first, one_thread)]
-    if [(m.get("cpu"), m.get("cores")) for m in machine] != [(machine[0].get("cpu"), cores)] * 2:
+    here, there = (d.get("run_all", {}).get("machine", {}) for d in (section.first, one_thread))
+    if here.get("cpu") != there.get("cpu") or here.get("cores") != cores or there.get("cores") != cores:
         return None  # measured on another kind of machine (or not recorded): its one-thread time says nothing here
     one_thread_s = statistics.median(p["sync"]["train_seconds"] for p in main_job_pairs(one_thread))
     sync_s = statistics.median(p["sync"]["train_seconds"] for p in main_job_pairs(section.first))
