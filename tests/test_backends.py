@@ -152,6 +152,17 @@ def left_padded(prompt_ids, pad_token_id):
     return ids, mask
 
 
+def seeded_generate(model, ids, attention, generation_config, segments):
+    """transformers' own `generate` on the same padded rows, each row drawn as the backend draws it (its batch's
+    generator, after every warper: `_SeededSampler` last): the raw sequences, pads and all, without the backend's
+    shared prefill, cut at EOS or μ bookkeeping."""
+    from trl_async.rollout.backends.hf import _recording_behaviour_logprobs, _SampledTokenLogprobs, _SeededSampler
+
+    sampler = _SeededSampler(segments, ids.device)
+    with _recording_behaviour_logprobs(model, _SampledTokenLogprobs(), sampler=sampler):
+        return model.generate(input_ids=ids, attention_mask=attention, generation_config=generation_config)
+
+
 def generate(model, trainer, prompt_ids, seed=0):
     return generate_with_behaviour_logprobs(
         model,
@@ -238,8 +249,7 @@ def test_completions_are_cut_at_the_first_eos_and_padded_with_zero_logprobs(prom
     out = generate(model, trainer, prompts, seed=5)
     # The same draw from plain `generate` (recording μ consumes no randomness): the raw sequences, pads and all.
     ids, attention = left_padded(prompts, pad)
-    torch.manual_seed(5)
-    raw = model.generate(input_ids=ids, attention_mask=attention, generation_config=trainer.generation_config)
+    raw = seeded_generate(model, ids, attention, trainer.generation_config, [(len(prompts), 5)])
     raw = raw[:, ids.size(1) :]
     assert raw.shape == out.completion_ids.shape
     ended = 0
@@ -297,8 +307,7 @@ def test_repeated_prompts_are_prefilled_once_and_sample_what_generate_samples(ca
     assert shapes[0] == (3, width - 1)  # one row per distinct prompt
     assert shapes[1:] == [(12, 1)] * (len(shapes) - 1)  # then every row, one token at a time; no row prefilled again
     ids, attention = left_padded(prompts, pad)
-    torch.manual_seed(11)
-    raw = model.generate(input_ids=ids, attention_mask=attention, generation_config=trainer.generation_config)
+    raw = seeded_generate(model, ids, attention, trainer.generation_config, [(len(prompts), 11)])
     mask = out.completion_mask
     assert torch.equal(out.completion_ids, raw[:, width:].masked_fill(~mask, pad))
     reference = reference_logprobs(model, prompts, out.completion_ids, mask, reference_processors(sampling))

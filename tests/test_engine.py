@@ -50,13 +50,21 @@ def logged_steps(trainer):
         # a generator slower than a training step: the trainer publishes new weights while a batch is being
         # generated, so the version that generated it and the newest version differ when it is queued
         dict(max_staleness=2, slow_reward=True),
+        # several generation batches per decode (2 of 8 rows; the bound derived for them, 3), handed out one by one
+        dict(max_rows_per_decode=16),
+        # 3 per decode with a slow generator (bound 5): blocks decoded while the trainer publishes
+        dict(max_rows_per_decode=24, slow_reward=True),
+        # 2 per decode where each generation batch feeds 2 micro-steps of 2 optimizer steps
+        dict(steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+             max_rows_per_decode=32),
     ],
-    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps", "slow_generator"],
-)
+    ids=["default", "steps_per_generation", "num_iterations", "weight_sync_steps", "slow_generator", "blocks_of_2",
+         "blocks_of_3_slow", "blocks_steps_per_generation"],
+)  # fmt: skip
 def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, tokenizer, schedule):
     schedule = dict(schedule)
     reward = slow_length_reward if schedule.pop("slow_reward", False) else length_reward
-    args = make_args(tmp_path, max_steps=8, loss_type="dapo", trainer_generates_while_starting=False, **schedule)
+    args = make_args(tmp_path, max_steps=10, loss_type="dapo", trainer_generates_while_starting=False, **schedule)
     trainer = WeightTracingTrainer(
         model=load_model(), reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
@@ -67,6 +75,12 @@ def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, token
     assert all(trainer.tag_is_true), list(zip(trainer.tagged_staleness, trainer.true_staleness, strict=True))
     # The bound is exercised: the generator ran ahead, so stale rows did reach the loss.
     assert max(trainer.true_staleness) >= 1
+    rows_per_decode = [h["async/rows_per_decode"] for h in trainer.state.log_history if "async/rows_per_decode" in h]
+    batch_rows = args.per_device_train_batch_size * args.steps_per_generation
+    expected = schedule.get("max_rows_per_decode", batch_rows)
+    # Every batch came from a decode of whole batches, at most the block; the block is reached.
+    assert rows_per_decode and max(rows_per_decode) == expected, rows_per_decode
+    assert all(batch_rows <= r <= expected for r in rows_per_decode), rows_per_decode
 
 
 class _EpochEnd(TrainerCallback):

@@ -13,11 +13,22 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..algorithms.m2po import M2PO_RULES, M2PO_SCOPES
-from ..schedule import default_max_staleness, usage_span
+from ..schedule import items_per_decode_within, pipelined_max_staleness, usage_span
 
 logger = logging.getLogger(__name__)
 
 GENERATION_BACKENDS = ("hf", "vllm")
+CUDA_GRAPH_SETTINGS = ("auto", "on", "off")
+# `max_rows_per_decode="auto"`: the most rows one decode holds. On one H200 a 0.5B model's decode of 32 rows is bound by
+# kernel launches (SM 10-25% busy), so a call of several batches costs little more than one; on 2 CPU cores the 0.5B
+# shape decodes 32 rows at 2x the rows/s of 8 and 64 at 2.2x, the bundled model 256 at 1.6x the rows/s of 64
+# (docs/staleness.md#rows-per-decode). Beyond a few hundred rows the KV cache, not the launches, sets the cost.
+AUTO_MAX_ROWS_PER_DECODE = 256
+# The default bound per loss, as generation batches decoded per call with the pipeline full
+# (`schedule.pipelined_max_staleness`): 1 batch for TRL's losses (batch n+1 generated while batch n trains, the
+# bound since wave 1), 2 for M2PO, whose masking keeps learning at staleness 2-3 (the staleness study: held-out
+# accuracy 0.575 at k = 1, 0.567 at k = 2, 0.539 at k = 4; dapo with TRL's correction 0.575, 0.515, 0.344).
+DEFAULT_ITEMS_PER_DECODE = {"m2po": 2}
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
 
@@ -44,10 +55,13 @@ class AsyncGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Largest staleness (in optimizer steps) a row may have when it enters a loss. 0 is on-policy "
-            "(generation waits for every update). Default (None): the smallest value that lets the generator produce "
-            "the next generation batch while the trainer trains on the current one: 1 when each generation batch is "
-            "used within one optimizer step (TRL's default schedule), more when the schedule trains on a batch across "
-            "several optimizer steps (steps_per_generation > gradient_accumulation_steps, or num_iterations > 1)."
+            "(generation waits for every update). Default (None): the smallest value that lets the generator decode "
+            "its next block of generation batches while the trainer trains on the current one. For TRL's losses a "
+            "block is one batch: 1 when each generation batch is used within one optimizer step (TRL's default "
+            "schedule), more when the schedule trains on a batch across several optimizer steps "
+            "(steps_per_generation > gradient_accumulation_steps, or num_iterations > 1). For loss_type='m2po' a "
+            "block is two batches (3 on TRL's default schedule), which M2PO learns as well with. An integer "
+            "max_rows_per_decode sets the block instead (docs/staleness.md)."
         },
     )
     queue_capacity: int | None = field(
@@ -56,6 +70,28 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "Most generation batches the generator may have queued or in flight. Default: derived, the "
             "number of batches the staleness bound can admit, (max_staleness + 1) * gradient_accumulation_steps / "
             "(steps_per_generation * num_iterations), rounded up."
+        },
+    )
+    max_rows_per_decode: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Most rows the generation process decodes in one backend call. It decodes the prompts of several "
+            "generation batches at once, as many as the staleness bound admits with the pipeline full (the block it "
+            "decodes while the trainer trains on the previous one), then hands them out batch by batch, each tagged "
+            "with the weights version that sampled it and sampled from its own seed. 'auto': up to 256 rows. An "
+            "integer (at least one generation batch's rows on this rank): up to that many; with max_staleness unset, "
+            "the bound is derived so that blocks of that size keep the pipeline full (docs/staleness.md). Logged as "
+            "async/rows_per_decode."
+        },
+    )
+    generation_cuda_graphs: str = field(
+        default="auto",
+        metadata={
+            "help": "Decode with CUDA graphs in the generation process (hf backend): a static KV cache and "
+            "torch.compile's reduce-overhead mode, batch sizes and prompt widths padded to a few fixed shapes. 'auto': "
+            "on when the generation process runs on a CUDA device, 'on': required (an error on other devices), "
+            "'off': transformers' dynamic cache. If compiling fails at run time, the generation process falls back "
+            "to eager decoding with a warning (async/cuda_graphs_fallbacks)."
         },
     )
     weight_sync_steps: int = field(
@@ -259,18 +295,67 @@ def ensure_async_fields(args: GRPOConfig, loss_types: tuple[str, ...] = LOSS_TYP
     for f in ASYNC_FIELDS:
         if not hasattr(args, f.name):
             setattr(args, f.name, f.default)
+    args.max_rows_per_decode = _normalised_rows_per_decode(args.max_rows_per_decode)
     if args.max_staleness is None and args.fixed_staleness is not None:
         args.max_staleness = args.fixed_staleness
     if args.max_staleness is None and getattr(args, "gradient_accumulation_steps", None) is not None:
-        args.max_staleness = default_max_staleness(args)
+        items = _wanted_items_per_decode(args)
+        args.max_staleness = pipelined_max_staleness(items, *_schedule(args))
         logger.info(
-            "trl_async: max_staleness=%d (derived from the schedule: each generation batch is trained on across %d "
-            "optimizer step(s)); set it in AsyncGRPOConfig to choose another bound.",
+            "trl_async: max_staleness=%d (derived: each generation batch is trained on across %d optimizer step(s), "
+            "and the generation process decodes %d generation batch(es) per call while the trainer trains on the "
+            "previous ones); set it in AsyncGRPOConfig to choose another bound.",
             args.max_staleness,
             usage_span(args) + 1,
+            items,
         )
     validate_async_fields(args, loss_types)
     return args
+
+
+def _normalised_rows_per_decode(value):
+    """'auto' or a positive integer (the command line passes integers as strings)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
+
+
+def _schedule(args) -> tuple[int, int]:
+    """(micro-steps fed by one generation batch, micro-steps per optimizer step): TRL's schedule."""
+    return args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+
+
+def rows_per_generation_batch(args) -> int | None:
+    """Rows of one generation batch on one rank (TRL's `generation_batch_size` is over every process)."""
+    if getattr(args, "generation_batch_size", None) is None:
+        return None
+    return args.generation_batch_size // max(1, getattr(args, "world_size", 1))
+
+
+def _wanted_items_per_decode(args) -> int:
+    """Generation batches per decode that the derived bound is made for: the user's `max_rows_per_decode` in batches,
+    or with 'auto' the loss's default (`DEFAULT_ITEMS_PER_DECODE`), within `AUTO_MAX_ROWS_PER_DECODE`."""
+    rows = rows_per_generation_batch(args)
+    cap = args.max_rows_per_decode
+    if isinstance(cap, int) and not isinstance(cap, bool) and rows:
+        return max(1, cap // rows)
+    wanted = DEFAULT_ITEMS_PER_DECODE.get(args.loss_type, 1)
+    return max(1, min(wanted, AUTO_MAX_ROWS_PER_DECODE // rows)) if rows else 1
+
+
+def items_per_decode(args, agentic: bool = False) -> int:
+    """How many generation batches the generation process decodes in one call: as many as the staleness bound
+    admits with the pipeline full (`schedule.items_per_decode_within`), within `max_rows_per_decode`. One with
+    `fixed_staleness` (each batch has its own exact weights), in agentic runs (TRL's multi-turn loop runs one batch
+    at a time) and for synchronous runs."""
+    rows = rows_per_generation_batch(args)
+    if not args.async_generation or args.fixed_staleness is not None or agentic or not rows:
+        return 1
+    cap = args.max_rows_per_decode
+    at_most = cap // rows if isinstance(cap, int) else max(1, AUTO_MAX_ROWS_PER_DECODE // rows)
+    g, a = _schedule(args)
+    capacity = args.queue_capacity or -(-(args.max_staleness + 1) * a // g)
+    return items_per_decode_within(args.max_staleness, capacity, g, a, at_most)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -302,6 +387,34 @@ def validate_async_fields(args, loss_types: tuple[str, ...] = LOSS_TYPES) -> Non
     _check(
         args.generation_backend in GENERATION_BACKENDS,
         f"generation_backend={args.generation_backend!r} is unknown. Use one of {list(GENERATION_BACKENDS)}.",
+    )
+    rows_cap = args.max_rows_per_decode
+    _check(
+        rows_cap == "auto" or (isinstance(rows_cap, int) and not isinstance(rows_cap, bool) and rows_cap >= 1),
+        f"max_rows_per_decode must be 'auto' or an integer >= 1, got {rows_cap!r}.",
+    )
+    rows = rows_per_generation_batch(args)
+    _check(
+        not isinstance(rows_cap, int) or rows is None or rows_cap >= rows,
+        f"max_rows_per_decode={rows_cap} is below one generation batch ({rows} rows on each process: "
+        "generation_batch_size / number of processes), which is decoded whole. Raise it to at least "
+        f"{rows}, or leave it 'auto'.",
+    )
+    _check(
+        args.generation_cuda_graphs in CUDA_GRAPH_SETTINGS,
+        f"generation_cuda_graphs must be one of {list(CUDA_GRAPH_SETTINGS)}, got {args.generation_cuda_graphs!r}.",
+    )
+    _check(
+        args.generation_cuda_graphs != "on" or args.generation_backend == "hf",
+        "generation_cuda_graphs='on' applies to generation_backend='hf' (vLLM captures its own CUDA graphs); set it "
+        "to 'auto' or 'off'.",
+    )
+    _check(
+        not (args.async_generation and getattr(args, "use_transformers_continuous_batching", False)),
+        "use_transformers_continuous_batching=True is not supported with asynchronous generation: its path records "
+        "no behaviour log-probs in the trainer's parametrization, and the generation process already decodes several "
+        "generation batches per call (max_rows_per_decode). Unset it, or set async_generation=False to run TRL's "
+        "continuous batching in the training process.",
     )
     _check(
         args.queue_capacity is None or (isinstance(args.queue_capacity, int) and args.queue_capacity >= 1),
@@ -363,6 +476,11 @@ def _validate_fixed_staleness(args) -> None:
         args.weight_sync_steps == 1,
         f"fixed_staleness needs every version published (weight_sync_steps=1), got weight_sync_steps="
         f"{args.weight_sync_steps}.",
+    )
+    _check(
+        not isinstance(args.max_rows_per_decode, int) or args.max_rows_per_decode == rows_per_generation_batch(args),
+        f"fixed_staleness generates every generation batch with its own exact weights, one batch per decode, but "
+        f"max_rows_per_decode={args.max_rows_per_decode} asks for several. Leave it 'auto'.",
     )
     _check(
         args.queue_capacity is None,

@@ -14,7 +14,7 @@ from ..rollout.gather import FSDP1_MESSAGE
 ASYNC_OFF = "set async_generation=False (AsyncGRPOConfig) to run TRL's synchronous generation with it"
 
 
-def _model_config(model, args):
+def model_config_of(model, args):
     """The model's config without loading weights (a `str` model: its config file only)."""
     if not isinstance(model, str):
         return getattr(model, "config", None)
@@ -85,7 +85,7 @@ def check_async_supported(
         )
     from transformers import ProcessorMixin
 
-    config = _model_config(model, args)
+    config = model_config_of(model, args)
     if isinstance(processing_class, ProcessorMixin) or (config is not None and hasattr(config, "vision_config")):
         reasons.append("a vision-language model (images are not sent to the generation process)")
     if _is_quantized(model, args, quantization_config):
@@ -100,6 +100,19 @@ def check_async_supported(
             "Asynchronous generation (AsyncGRPOTrainer's default) does not support: "
             + "; ".join(reasons)
             + f". To train with these, {ASYNC_OFF}."
+        )
+
+
+def check_cuda_graphs(args, generation_device) -> None:
+    """`generation_cuda_graphs='on'` needs the generation process on a CUDA device (CUDA graphs are CUDA's)."""
+    import torch
+
+    setting = getattr(args, "generation_cuda_graphs", "auto")
+    if args.async_generation and setting == "on" and torch.device(generation_device).type != "cuda":
+        raise ValueError(
+            f"generation_cuda_graphs='on' needs the generation process on a CUDA device, but it runs on "
+            f"{generation_device}. Set generation_cuda_graphs='auto' (on where it applies) or 'off', or "
+            "generation_device='cuda:N'."
         )
 
 

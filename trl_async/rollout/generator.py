@@ -173,30 +173,35 @@ def _wait_for_weights(trainable_store, min_version: int, beat_or_stop, on_idle) 
             on_idle(False)
 
 
-def _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
-    """One batch, gated before it starts: weights recent enough for the queue's bound, loaded, then the whole batch
-    sampled with them (its version)."""
+def _produce_gated(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle, items_per_decode=1):
+    """One block of up to `items_per_decode` batches, gated before it starts: weights recent enough for the queue's
+    bound on every batch of the block, loaded, then the whole block sampled with them in one decode (their version),
+    and handed out batch by batch."""
     recorder = timeline()
     waited = recorder.begin()
-    index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle)
+    first, count, min_version = rollout_queue.reserve_block(items_per_decode, on_wait=beat_or_stop, on_idle=on_idle)
     _wait_for_weights(trainable_store, min_version, beat_or_stop, on_idle)
     recorder.end(span.GATE_WAIT, waited, span.WAIT)
     version = backend.update_weights()
-    recorder.set_step(version)  # this batch is generated with the weights of step `version`
-    rollout_queue.mark_loaded(index)
-    payload = producer.produce(index)
+    recorder.set_step(version)  # this block is generated with the weights of step `version`
+    rollout_queue.mark_loaded(first + count - 1)
+    payloads = producer.produce_block(first, count)
     with recorder.span(span.WRITE_BATCH):
-        rollout_queue.put(index, version, payload, num_rows=payload.num_rows)
+        for offset, payload in enumerate(payloads):
+            payload.decode_fallbacks = backend.compile_fallbacks
+            rollout_queue.put(first + offset, version, payload, num_rows=payload.num_rows)
 
 
-def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle) -> None:
-    """One batch with in-flight weight updates: reserved as soon as the queue has room (its prompts drawn, tokenized
-    and its rewards prepared meanwhile), gated before the model first runs on it (the oldest token defines the
+def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle, items_per_decode=1):
+    """One block with in-flight weight updates: reserved as soon as the queue has room (its prompts drawn, tokenized
+    and its rewards prepared meanwhile), gated before the model first runs on it (the oldest token defines each
     batch's staleness), then decoded on the newest published weights, which the backend loads between decoding
     steps."""
     recorder = timeline()
     waited = recorder.begin()
-    index, min_version = rollout_queue.reserve(on_wait=beat_or_stop, on_idle=on_idle, wait_for_weights=False)
+    first, count, min_version = rollout_queue.reserve_block(
+        items_per_decode, on_wait=beat_or_stop, on_idle=on_idle, wait_for_weights=False
+    )
     recorder.end(span.GATE_WAIT, waited, span.WAIT)
 
     def ready():
@@ -205,10 +210,14 @@ def _produce_inflight(rollout_queue, trainable_store, backend, producer, beat_or
         recorder.end(span.GATE_WAIT, waited, span.WAIT)
         recorder.set_step(backend.update_weights())
 
-    payload = producer.produce(index, ready=ready)
-    version = payload.oldest_version
+    payloads = producer.produce_block(first, count, ready=ready)
     with recorder.span(span.WRITE_BATCH):
-        rollout_queue.put(index, backend.version if version is None else version, payload, num_rows=payload.num_rows)
+        for offset, payload in enumerate(payloads):
+            payload.decode_fallbacks = backend.compile_fallbacks
+            version = payload.oldest_version
+            rollout_queue.put(
+                first + offset, backend.version if version is None else version, payload, num_rows=payload.num_rows
+            )
 
 
 def _stop_on_late_call(control: _Control, message: str) -> None:
@@ -264,8 +273,10 @@ def _generator_main(
             trainer_state=_trainer_state_reader(state_path),
             heartbeat=control.beat,
             on_late=functools.partial(_stop_on_late_call, control),
+            generate_batches=backend.generate_batches,
         )
         producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
+        backend.warm_up(producer.sample_prompt_ids)  # CUDA graphs captured before ready (the trainer is not waiting)
         control.beat()
         control.set_ready()
         recorder.instant(span.READY)
@@ -274,7 +285,7 @@ def _generator_main(
         produce = _produce_inflight if spec.inflight_weight_updates else _produce_gated
         first = True
         while not control.stop_requested:
-            produce(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle)
+            produce(rollout_queue, trainable_store, backend, producer, beat_or_stop, on_idle, spec.items_per_decode)
             if first:
                 recorder.instant(span.FIRST_BATCH_QUEUED)
                 first = False
@@ -325,7 +336,9 @@ def default_start_method() -> str:
 AGENTIC_PRELOAD_MODULES = ("trl.trainer.grpo_trainer", "trl_async.rollout.agentic")
 
 
-def warm_up_generator_start(start_method: str | None = None, agentic: bool = False) -> None:
+def warm_up_generator_start(
+    start_method: str | None = None, agentic: bool = False, extra_modules: tuple | list = ()
+) -> None:
     """Start the fork server now, with `PRELOAD_MODULES` imported in it, so that the generation process, forked from
     it later (at the first training batch), starts with its imports done: its cold start drops from seconds to the
     model build. Called when the trainer is constructed, where the trainer's own set-up leaves a core idle. A clean
@@ -334,7 +347,11 @@ def warm_up_generator_start(start_method: str | None = None, agentic: bool = Fal
         return
     from multiprocessing import forkserver
 
-    forkserver.set_forkserver_preload(list(PRELOAD_MODULES) + (list(AGENTIC_PRELOAD_MODULES) if agentic else []))
+    # `extra_modules`: the model's architecture (`config.refusals.modeling_modules`); a fork server skips a preload
+    # that does not import.
+    forkserver.set_forkserver_preload(
+        list(PRELOAD_MODULES) + (list(AGENTIC_PRELOAD_MODULES) if agentic else []) + list(extra_modules)
+    )
     forkserver.ensure_running()
 
 

@@ -41,6 +41,9 @@ class RolloutPayload:
     # rows for the reward functions, as TRL merges them.
     extra_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
     tool_s: float = 0.0  # seconds spent in tool calls and environment calls (factory, reset); not in `generate_s`
+    decode_rows: int = 0  # rows of the backend call that sampled this batch (several batches share a decode)
+    # Decodes of the generation process, so far, that fell back to eager decoding after a failed CUDA-graph compile.
+    decode_fallbacks: int = 0
 
     @property
     def oldest_version(self) -> int | None:

@@ -62,6 +62,8 @@ ASYNC_WINDOW_KEYS = (
     "queue_size",
     "lending_calls",
     "lent_calls",
+    "decode_rows_sum",
+    "decode_fallbacks",
 )
 
 
@@ -124,6 +126,7 @@ class RolloutPipeline:
         self._lending: CoreLending | None = None
         self._lending_hooks: list = []
         self._lending_counts = (0, 0)
+        self._fallbacks_seen = self._fallbacks_logged = 0  # the generation process's eager-decoding fallbacks
 
     @property
     def started(self) -> bool:
@@ -222,10 +225,10 @@ class RolloutPipeline:
         self.process.start()
         logger.info(
             "trl_async: generation process starting (%s) on %s (%d threads%s); %d trainable tensors (%.1f MiB) sync "
-            "every %d step(s)",
+            "every %d step(s); %d generation batch(es) per decode",
             self.process.ctx.get_start_method(), spec.device, spec.num_threads,
             ", cores lent while waiting" if self._lending is not None else "", len(trainable),
-            self.trainable_store.num_bytes / 2**20, settings.weight_sync_steps,
+            self.trainable_store.num_bytes / 2**20, settings.weight_sync_steps, spec.items_per_decode,
         )  # fmt: skip
 
     def _split_cores(self) -> None:
@@ -385,6 +388,7 @@ class RolloutPipeline:
             "generate_s": 0.0,
             "reward_s": 0.0,
             "tool_s": 0.0,
+            "decode_rows_sum": 0,
         }
 
     def _record(self, batch: RolloutBatch) -> None:
@@ -398,6 +402,8 @@ class RolloutPipeline:
         window["generate_s"] += batch.payload.generate_s
         window["reward_s"] += batch.payload.reward_s
         window["tool_s"] += batch.payload.tool_s
+        window["decode_rows_sum"] += batch.payload.decode_rows or rows
+        self._fallbacks_seen = max(self._fallbacks_seen, batch.payload.decode_fallbacks)
 
     def window_metrics(self) -> dict[str, float]:
         """This rank's `async/*` figures since the previous call (the logging window), as sums and maxima."""
@@ -406,6 +412,7 @@ class RolloutPipeline:
         previous = self._last_stats
         self._last_stats = stats
         lending_calls = lent_calls = 0
+        fallbacks_logged, self._fallbacks_logged = self._fallbacks_logged, self._fallbacks_seen
         if self._lending is not None:  # hook calls since the last window, and those that found the generator waiting
             lending_calls = self._lending.calls - self._lending_counts[0]
             lent_calls = self._lending.lent_calls - self._lending_counts[1]
@@ -429,6 +436,8 @@ class RolloutPipeline:
             "queue_size": self.queue.qsize() if self.queue is not None else 0,
             "lending_calls": lending_calls,
             "lent_calls": lent_calls,
+            "decode_rows_sum": window["decode_rows_sum"],
+            "decode_fallbacks": self._fallbacks_seen - fallbacks_logged,
         }
 
 

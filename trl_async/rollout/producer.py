@@ -27,7 +27,7 @@ from ..timeline import current as timeline
 from ..timeline import names as span
 from ..timeline.setup import TimelineSpec
 from .agentic import AgenticSpec
-from .backends import GenerationOutput, ModelSpec
+from .backends import GenerationOutput, ModelSpec, SeededPrompts
 from .payload import RolloutPayload
 from .prompts import STREAM_SETTINGS, PromptStream, check_prompt_ids, check_prompt_values, context_length
 
@@ -72,6 +72,9 @@ class GeneratorSpec:
     columns: list[str] | None = None  # dataset columns to keep (None: all)
     backend_options: dict = dataclasses.field(default_factory=dict)
     agentic: AgenticSpec | None = None  # tools, environments, rollout_func (`rollout.agentic`); None without them
+    # Generation batches decoded in one backend call (`config.grpo.items_per_decode`): the generation process reserves
+    # that many from the queue at once (`StalenessBoundedQueue.reserve_block`).
+    items_per_decode: int = 1
 
 
 def is_conversational_prompt(prompt) -> bool:
@@ -86,9 +89,14 @@ class RolloutProducer:
     With tools, environments or a `rollout_func` (`spec.agentic`) the completions are TRL's multi-turn ones
     (`rollout.agentic`); `heartbeat` and `on_late` are the generation process's (`tool_timeout`, `CallWatchdog`)."""
 
-    def __init__(self, spec: GeneratorSpec, generate, trainer_state=None, heartbeat=None, on_late=None):
+    def __init__(
+        self, spec: GeneratorSpec, generate, trainer_state=None, heartbeat=None, on_late=None, generate_batches=None
+    ):
         self.spec = spec
-        self.generate = generate  # (prompt_ids, seed) -> GenerationOutput
+        self.generate = generate  # (prompt_ids, seed[, ready]) -> GenerationOutput
+        # ([SeededPrompts], ready) -> [GenerationOutput]: several batches in one decode (`produce_block`); None: the
+        # batches of a block are sampled one `generate` call each.
+        self.generate_batches = generate_batches
         self.tokenizer = spec.processing_class
         self.trainer_state = trainer_state  # () -> TrainerState snapshot or None
         self.stream = PromptStream(spec.dataset, **{name: getattr(spec, name) for name in STREAM_SETTINGS})
@@ -148,23 +156,41 @@ class RolloutProducer:
             if names:
                 prepare_rewards([f for f in self.spec.reward_funcs if f is not None], {c: dataset[c] for c in names})
 
-    def _sample(self, rows: list[dict], seed: int, ready) -> _Sampled:
-        """One completion per row, single turn: the prompts tokenized as TRL does, sampled with μ recorded."""
+    def _sample_block(self, batches: list[tuple[list[dict], int]], ready) -> list[_Sampled]:
+        """One completion per row of each `(rows, seed)` batch, single turn: the prompts tokenized as TRL does,
+        sampled with μ recorded, all batches in one decode where the backend can (`generate_batches`), each from its
+        own seed."""
         from trl_async.rewards import prepare_rewards
 
         spec = self.spec
-        prompts = [row["prompt"] for row in rows]
-        check_prompt_values(prompts, first_row=None)
-        recorder, prepared = timeline(), timeline().begin()
-        # Gold answers not prepared at start-up are prepared now, before sampling: the tokenizer never runs at reward
-        # time (a no-op for rows already prepared).
-        prepare_rewards([f for f in spec.reward_funcs if f is not None], _reward_columns(rows))
-        prompt_ids = [list(p) for p in self._tokenize(prompts)]
-        check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
-        recorder.end(span.TOKENIZE, prepared)
-        generated: GenerationOutput = (
-            self.generate(prompt_ids, seed) if ready is None else self.generate(prompt_ids, seed, ready)
-        )
+        recorder = timeline()
+        laid_out = []
+        for rows, seed in batches:
+            prompts = [row["prompt"] for row in rows]
+            check_prompt_values(prompts, first_row=None)
+            prepared = recorder.begin()
+            # Gold answers not prepared at start-up are prepared now, before sampling: the tokenizer never runs at
+            # reward time (a no-op for rows already prepared).
+            prepare_rewards([f for f in spec.reward_funcs if f is not None], _reward_columns(rows))
+            prompt_ids = [list(p) for p in self._tokenize(prompts)]
+            check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
+            recorder.end(span.TOKENIZE, prepared)
+            laid_out.append((rows, prompts, prompt_ids, seed))
+        if self.generate_batches is not None:
+            outputs = self.generate_batches([SeededPrompts(ids, seed) for _, _, ids, seed in laid_out], ready)
+        else:
+            outputs = []
+            for i, (_, _, prompt_ids, seed) in enumerate(laid_out):
+                now_ready = ready if i == 0 else None
+                outputs.append(
+                    self.generate(prompt_ids, seed)
+                    if now_ready is None
+                    else self.generate(prompt_ids, seed, now_ready)
+                )
+        return [self._sampled(rows, prompts, prompt_ids, generated) for (rows, prompts, prompt_ids, _), generated in
+                zip(laid_out, outputs, strict=True)]  # fmt: skip
+
+    def _sampled(self, rows, prompts, prompt_ids, generated: GenerationOutput) -> _Sampled:
         completion_ids, logprobs = generated.to_lists()
         conversational = is_conversational_prompt(prompts[0])
         return _Sampled(
@@ -203,17 +229,34 @@ class RolloutProducer:
     def produce(self, queue_index: int, ready=None) -> RolloutPayload:
         """The payload of queue item `queue_index` (stream position `stream_offset + queue_index`). `ready()`, if
         given, runs once the batch is prepared, before its first token is sampled (`GenerationBackend.generate`)."""
+        return self.produce_block(queue_index, 1, ready)[0]
+
+    def produce_block(self, first_index: int, count: int, ready=None) -> list[RolloutPayload]:
+        """The payloads of queue items `first_index .. first_index + count - 1`, sampled in one decode (single-turn
+        runs; an agentic run samples one batch at a time). Each batch keeps its own rows and seed (its stream
+        position's), so each is what `produce` makes of it alone; its `generate_s` is its share of the decode, by rows."""
+        spec = self.spec
+        positions = [spec.stream_offset + index for index in range(first_index, first_index + count)]
+        batches = [(self.stream.rows(p), batch_seed(spec.seed, spec.process_index, p)) for p in positions]
+        t0 = time.perf_counter()
+        if self.agentic is None:
+            block = self._sample_block(batches, ready)
+        else:
+            if count != 1:
+                raise ValueError("an agentic run samples one generation batch at a time (items_per_decode=1)")
+            block = [self._sample_multi_turn(*batches[0])]
+        sampling_s = time.perf_counter() - t0
+        decode_rows = sum(len(sampled.rows) for sampled in block)
+        return [
+            self._score(sampled, position, sampling_s * len(sampled.rows) / decode_rows, decode_rows)
+            for sampled, position in zip(block, positions, strict=True)
+        ]
+
+    def _score(self, sampled: _Sampled, stream_index: int, sampling_s: float, decode_rows: int) -> RolloutPayload:
+        """Rewards (tensor-native ones on the ids, text ones after one decode) and the payload of one batch."""
         from trl_async.rewards import score_completions
 
         spec = self.spec
-        stream_index = spec.stream_offset + queue_index
-        rows = self.stream.rows(stream_index)
-        seed = batch_seed(spec.seed, spec.process_index, stream_index)
-        t0 = time.perf_counter()
-        if self.agentic is None:
-            sampled = self._sample(rows, seed, ready)
-        else:
-            sampled = self._sample_multi_turn(rows, seed)
         turns = sampled.turns
         t1 = time.perf_counter()
         recorder = timeline()
@@ -257,7 +300,7 @@ class RolloutProducer:
             completions=sampled.decode.result,
             extra_logs=dict(extra_logs),
             logged_metrics=dict(logged_metrics),
-            generate_s=t1 - t0 - tool_s,
+            generate_s=sampling_s - tool_s,
             reward_s=t2 - t1,
             token_versions=sampled.token_versions,
             tool_mask=turns.tool_mask if turns is not None else None,
@@ -265,7 +308,15 @@ class RolloutProducer:
             tool_failure_count=turns.tool_failure_count if turns is not None else 0,
             extra_fields=turns.extra_fields if turns is not None else {},
             tool_s=tool_s,
+            decode_rows=decode_rows,
         )
+
+    def sample_prompt_ids(self) -> list[list[int]]:
+        """The first batch's tokenized prompts: the shapes a backend warms up on (`GenerationBackend.warm_up`)."""
+        if self.agentic is not None:
+            return []
+        rows = self.stream.rows(self.spec.stream_offset)
+        return [list(p) for p in self._tokenize([row["prompt"] for row in rows])]
 
 
 @dataclasses.dataclass

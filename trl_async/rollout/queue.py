@@ -210,16 +210,35 @@ class StalenessBoundedQueue:
         on_idle: Callable[[bool], None] | None = None,
         wait_for_weights: bool = True,
     ) -> tuple[int, int]:
-        """Block until the next item may be generated; return `(index, min_version)`.
+        """Block until the next item may be generated; return `(index, min_version)` (`reserve_block` of one item)."""
+        index, _, min_version = self.reserve_block(1, timeout, on_wait, on_idle, wait_for_weights)
+        return index, min_version
 
-        The producer must then generate item `index` with weights of version >= `min_version` (they are published
-        by then) and `put` it. Time spent here is the generator's wait on the gate. `on_idle(True)` / `(False)` is
-        called when the producer starts and stops blocking (see `cores`). `wait_for_weights=False` waits for room
-        only: a producer that samples with weights loaded later (in-flight updates) waits for `min_version` itself,
-        before its first sampled token.
+    def reserve_block(
+        self,
+        max_items: int = 1,
+        timeout: float | None = None,
+        on_wait: Callable[[], None] | None = None,
+        on_idle: Callable[[bool], None] | None = None,
+        wait_for_weights: bool = True,
+    ) -> tuple[int, int, int]:
+        """Block until the next `max_items` items may be generated together; return `(first_index, count,
+        min_version)`.
+
+        The producer must then generate items `first_index .. first_index + count - 1` with weights of version >=
+        `min_version` (they are published by then): the oldest weights the *last* of them admits, so every item of
+        the block is within the bound (the gate of each item is the one `reserve` applies to it alone). `count` is
+        `max_items`, except when the consumer is already waiting for the block's first item: then the items that are
+        admissible right away, at least that one (a full block would keep a waiting trainer waiting longer, and the
+        gate's fallback for a mispredicted schedule applies to the awaited item only). Time spent here is the
+        generator's wait on the gate. `on_idle(True)` / `(False)` is called when the producer starts and stops
+        blocking (see `cores`). `wait_for_weights=False` waits for room only: a producer that samples with weights
+        loaded later (in-flight updates) waits for `min_version` itself, before its first sampled token.
         """
+        if not isinstance(max_items, int) or max_items < 1:
+            raise ValueError(f"max_items must be an integer >= 1, got {max_items!r}")
         c = self._counters
-        poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved)), on_idle)
+        poller = _Poller(on_wait, timeout, lambda: self._gate_state(int(c.reserved) + max_items - 1), on_idle)
         try:
             while True:
                 if c.closed:
@@ -227,17 +246,32 @@ class StalenessBoundedQueue:
                 if c.start_index >= 0:
                     if c.reserved < c.start_index:
                         c.reserved = c.start_index
-                    index = int(c.reserved)
-                    min_version = self.min_generation_version(index)
-                    if c.waiting_index == index:
-                        min_version = min(min_version, int(c.waiting_last_use) - self.max_staleness)
-                    if index - c.consumed < self.capacity and (c.published >= min_version or not wait_for_weights):
-                        c.reserved = index + 1
-                        return index, min_version
+                    first = int(c.reserved)
+                    awaited = c.waiting_index == first
+                    count, min_version = self._admissible(first, max_items, awaited, wait_for_weights)
+                    if count == max_items or (count and awaited):
+                        c.reserved = first + count
+                        return first, count, min_version
                 poller.wait()
         finally:
             poller.done()
             c.generator_wait_s += poller.elapsed
+
+    def _admissible(self, first: int, max_items: int, awaited: bool, wait_for_weights: bool) -> tuple[int, int]:
+        """How many items from `first` on may be generated now (room in the queue, and weights recent enough unless
+        `wait_for_weights` is off), at most `max_items`, and the oldest weights version all of them admit."""
+        c = self._counters
+        count, min_version = 0, None
+        for index in range(first, first + max_items):
+            needed = self.min_generation_version(index)
+            if index == first and awaited:
+                # The consumer waits for this item at an earlier version than the schedule predicted: follow it.
+                needed = min(needed, int(c.waiting_last_use) - self.max_staleness)
+            if index - c.consumed >= self.capacity or (wait_for_weights and c.published < needed):
+                break
+            count += 1
+            min_version = needed if min_version is None else max(min_version, needed)
+        return count, min_version
 
     def _gate_state(self, index: int) -> str:
         c = self._counters

@@ -32,6 +32,7 @@ REWARDS = "rewards"
 TOOLS = "tools"  # tool calls and environment calls (factory, reset) of agentic runs (`rollout.agentic`)
 WRITE_BATCH = "write batch"  # pickling the payload into the queue's spool
 LOAD_WEIGHTS = "load weights"
+COMPILE_DECODE = "compile decode"  # capturing the CUDA graphs of the decode, before the generation process is ready
 STARTUP_SPAN = "start-up"  # spawn -> ready, category `startup`
 
 # Synchronous runs (`async_generation=False`): generation and training in turn, in the trainer.

@@ -158,11 +158,14 @@ class Recorder:
                 os.remove(fragment_path)
 
     # ------------------------------------------------------------------------------------------------ hot path
-    def end(self, name: str, start: int, category: str = BUSY) -> None:
-        """Close a span opened by `start = rec.begin()`. Kept if it overlaps a kept step."""
+    def end(self, name: str, start: int, category: str = BUSY, args: dict | None = None) -> None:
+        """Close a span opened by `start = rec.begin()`. Kept if it overlaps a kept step. `args`: what the trace shows
+        with the span (a decode's rows), JSON values."""
         now = self._last_end = self._now()
         if self._keep or start < self._closed_ns:
-            self._events.append((name, category, start, now))
+            self._events.append(
+                (name, category, start, now) if args is None else (name, category, start, now, None, args)
+            )
 
     def last_end(self) -> int:
         """When the last span closed by `end` ended (0 before any): where a span that follows it begins, for a caller
@@ -268,7 +271,7 @@ class DisabledRecorder:
     truncated = False
     fragment_path = None
 
-    def end(self, name, start, category=BUSY):
+    def end(self, name, start, category=BUSY, args=None):
         pass
 
     def last_end(self):

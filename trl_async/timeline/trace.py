@@ -2,7 +2,7 @@
 
 **Fragments.** Each process appends to its own file, `_timeline-fragments/{role}-rank{rank}.jsonl` (`Recorder.flush`):
 a first line `{"header": {...}}` (role, rank, world size, OS pid, host, boot id, cores, sampling policy, one
-(monotonic, Unix) clock pair), then one line per flush: `{"spans": [[name, category, start_ns, end_ns(, cpu_ns)]],
+(monotonic, Unix) clock pair), then one line per flush: `{"spans": [[name, category, start_ns, end_ns(, cpu_ns(, args))]],
 "instants": [[name, ns]], "steps": [[step, start_ns, end_ns, cpu_ns]], "truncated": bool}`, times on the process's
 `perf_counter_ns` clock. No process ever writes another's file, so nothing is locked and nothing is collective.
 
@@ -164,8 +164,10 @@ def merge_fragments(fragments: list[dict]) -> dict:
         for span, tid in zip(spans, _nesting_tracks(spans), strict=True):
             event = {"ph": "X", "name": span[0], "cat": span[1], "pid": pid, "tid": tid}
             event["ts"], event["dur"] = _ts_dur(us, span[2] + base, span[3] + base)
-            if len(span) > 4:
+            if len(span) > 4 and span[4] is not None:
                 event["args"] = {"cpu_ms": round(span[4] / 1e6, 3)}
+            if len(span) > 5:  # what the span carries besides (a decode's rows: `Recorder.end(args=...)`)
+                event.setdefault("args", {}).update(span[5])
             events.append(event)
         for name, at in fragment["instants"]:
             events.append({"ph": "i", "s": "p", "name": name, "cat": "startup", "pid": pid, "tid": SPAN_TID,

@@ -49,6 +49,7 @@ from ..config.refusals import (
     AGENTIC_ARGUMENTS,
     agentic_arguments,
     check_async_supported,
+    check_cuda_graphs,
     check_generate_not_replaced,
 )
 from ..hub import ModelCardMixin
@@ -87,7 +88,7 @@ from .correction import (
     m2po_correction,
 )
 from .loop import EndlessRolloutTicks, PublishWeights, ReduceStatistics, RolloutTicks, TimelineSteps
-from .rollout_spec import generator_spec, placement, uses_agentic_rollouts
+from .rollout_spec import generator_spec, modeling_modules, placement, uses_agentic_rollouts
 from .statistics import (
     Field,
     StatisticsLayout,
@@ -149,11 +150,15 @@ class AsyncRolloutMixin(ModelCardMixin):
         )
         if args.async_generation and args.generation_backend == "hf":
             # The generation process's imports, while TRL builds the trainer (and TRL's, for its multi-turn code).
-            warm_up_generator_start(agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))))
+            warm_up_generator_start(
+                agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))),
+                extra_modules=modeling_modules(model, args),
+            )
         # Wrappers (DDP, compiled modules) -> the bare model (`_unwrap`); weak: a re-prepared model drops its wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
         check_inputs_after_init(self)
+        check_cuda_graphs(args, args.generation_device or self.accelerator.device)
         self._hook_slot: HookSlot | None = None
         self.add_callback(TimelineSteps(self))
         # The trainers' own figures of the logging window, per mode: recorded locally, reduced once per log.

@@ -12,6 +12,8 @@ import os
 import torch
 
 from ..config import async_field
+from ..config.grpo import items_per_decode, rows_per_generation_batch
+from ..config.refusals import model_config_of
 from ..rewards import is_tensor_reward
 from ..rollout import GeneratorSpec, ModelSpec
 from ..rollout.agentic import AgenticSpec
@@ -61,7 +63,7 @@ def generator_spec(trainer, where: Placement) -> GeneratorSpec:
         device=where.device,
         num_threads=where.generator_threads,
         backend=backend_name(args),
-        backend_options=backend_options(args, where),
+        backend_options=backend_options(args, where, agentic=uses_agentic_rollouts(trainer)),
         model_spec=ModelSpec(
             config=base.config,
             dtype=next(base.parameters()).dtype,
@@ -91,7 +93,20 @@ def generator_spec(trainer, where: Placement) -> GeneratorSpec:
         inflight_weight_updates=bool(args.inflight_weight_updates),
         timeline=timeline_spec(trainer),
         agentic=agentic_spec(trainer),
+        items_per_decode=items_per_decode(args, agentic=uses_agentic_rollouts(trainer)),
     )
+
+
+def modeling_modules(model, args) -> list[str]:
+    """The modules that define the model's architecture (`transformers.models.qwen2.modeling_qwen2`): a generation
+    process that imports them ahead (`rollout.generator.warm_up_generator_start`) builds its model seconds sooner
+    (5 s of Qwen2's on a loaded 2-core machine). Best effort: a name that does not import is skipped there."""
+    if not isinstance(model, str):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return [type(base).__module__]
+    config = model_config_of(model, args)
+    model_type = getattr(config, "model_type", None)
+    return [f"transformers.models.{model_type}.modeling_{model_type}"] if model_type else []
 
 
 def uses_agentic_rollouts(trainer) -> bool:
@@ -158,10 +173,23 @@ VLLM_SERVER_OPTIONS = {
 }
 
 
-def backend_options(args, where: Placement) -> dict:
-    """TRL's vLLM knobs, honoured by the vLLM backends (docs/vllm.md has the table)."""
+def uses_cuda_graphs(args, device) -> bool:
+    """`generation_cuda_graphs`: 'auto' is on where the hf backend generates on a CUDA device (refusals check 'on')."""
+    setting = async_field(args, "generation_cuda_graphs")
+    return args.generation_backend == "hf" and (
+        setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+    )
+
+
+def backend_options(args, where: Placement, agentic: bool = False) -> dict:
+    """The hf backend's in-flight updates and CUDA graphs (padded to the rows of one decode); TRL's vLLM knobs,
+    honoured by the vLLM backends (docs/vllm.md has the table)."""
     if args.generation_backend != "vllm":
-        return {"inflight_weight_updates": True} if args.inflight_weight_updates else {}
+        options = {"inflight_weight_updates": True} if args.inflight_weight_updates else {}
+        if uses_cuda_graphs(args, where.device):
+            options["cuda_graphs"] = True
+            options["decode_rows"] = items_per_decode(args, agentic=agentic) * rows_per_generation_batch(args)
+        return options
     if args.vllm_mode == "server":
         return {option: getattr(args, field) for option, field in VLLM_SERVER_OPTIONS.items()}
     engine_kwargs = {"model_impl": args.vllm_model_impl} if args.vllm_model_impl != "vllm" else {}

@@ -223,6 +223,10 @@ def _async_metrics(total: dict[str, float], staleness_max: float, num_ranks: int
         out["async/reward_s"] = total["reward_s"] / batches
         if total["tool_s"]:  # tools and environments (`rollout.agentic`): seconds in their calls per batch
             out["async/tool_s"] = total["tool_s"] / batches
+        # Rows of the backend call that sampled each batch, batch-weighted (several batches share a decode).
+        out["async/rows_per_decode"] = total["decode_rows_sum"] / batches
+    if total["decode_fallbacks"]:  # CUDA-graph decoding failed to compile and fell back to eager decoding
+        out["async/cuda_graphs_fallbacks"] = total["decode_fallbacks"]
     out["async/evicted"] = total["evicted_rows"]
     out["async/evicted_fraction"] = total["evicted_rows"] / max(total["evicted_rows"] + rows, 1.0)
     out["async/queue_size"] = total["queue_size"] / num_ranks

@@ -9,7 +9,7 @@ a vLLM engine in the generation process; `vllm_server`: a running `trl vllm-serv
 
 from __future__ import annotations
 
-from .base import BackendContext, GenerationBackend, GenerationOutput, ModelSpec, first_eos_mask
+from .base import BackendContext, GenerationBackend, GenerationOutput, ModelSpec, SeededPrompts, first_eos_mask
 from .hf import HFBackend, generate_with_behaviour_logprobs, generation_config_for_rollouts
 
 BACKENDS: dict[str, type[GenerationBackend]] = {"hf": HFBackend}
@@ -34,6 +34,7 @@ __all__ = [
     "GenerationOutput",
     "HFBackend",
     "ModelSpec",
+    "SeededPrompts",
     "first_eos_mask",
     "generate_with_behaviour_logprobs",
     "generation_config_for_rollouts",

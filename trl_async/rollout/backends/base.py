@@ -7,8 +7,11 @@ vLLM engine in `vllm`, a `trl vllm-serve` server in `vllm_server`) slot in witho
 
 * `load()` builds the model and applies the start-up weights; returns their version;
 * `generate(prompt_ids, seed)` samples one completion per prompt row and returns the ids (cut after the first EOS) with
-  the behaviour log-probabilities of the sampled tokens;
+  the behaviour log-probabilities of the sampled tokens; `generate_batches(batches)` does it for several generation
+  batches in one decode where the engine can (each batch sampled from its own seed, so its rows do not depend on the
+  batches decoded beside it), one after another otherwise;
 * `update_weights()` swaps in the latest published weights; it is only called between generation batches;
+* `warm_up(sample_prompt_ids)` (optional) runs once before the generation process reports ready;
 * `close()` releases the engine.
 
 **Behaviour log-probs μ** (DESIGN.md section 2) are the log-probabilities of the sampled tokens under the distribution
@@ -62,6 +65,26 @@ class GenerationOutput:
         lengths = self.completion_mask.sum(dim=1).tolist()
         return [row[:n] for row, n in zip(self.token_versions.tolist(), lengths, strict=True)]
 
+    def split(self, sizes: Sequence[int]) -> list[GenerationOutput]:
+        """The rows of consecutive generation batches of `sizes` rows, each cut to its own longest completion (what a
+        decode of that batch alone returns)."""
+        parts, start = [], 0
+        for size in sizes:
+            rows = slice(start, start + size)
+            width = int(self.completion_mask[rows].sum(dim=1).max()) if size else 0
+            parts.append(
+                GenerationOutput(
+                    **{
+                        f.name: None if (value := getattr(self, f.name)) is None else value[rows, :width]
+                        for f in dataclasses.fields(self)
+                    }
+                )
+            )
+            start += size
+        if start != self.completion_ids.size(0):
+            raise ValueError(f"split sizes {list(sizes)} do not add up to the {self.completion_ids.size(0)} rows")
+        return parts
+
     def to_lists(self) -> tuple[list[list[int]], list[list[float]]]:
         """Completion ids and importance log-probs (`importance_logprobs`) per row, without padding."""
         lengths = self.completion_mask.sum(dim=1).tolist()
@@ -69,6 +92,14 @@ class GenerationOutput:
         return [row[:n] for row, n in zip(ids, lengths, strict=True)], [
             row[:n] for row, n in zip(logps, lengths, strict=True)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeededPrompts:
+    """One generation batch's share of a decode: its prompt rows, sampled from its own seed (None: the caller's RNG)."""
+
+    prompt_ids: list[list[int]]
+    seed: int | None = None
 
 
 @dataclasses.dataclass
@@ -123,6 +154,7 @@ class GenerationBackend(abc.ABC):
         self.device = torch.device(context.device)
         self.heartbeat = context.heartbeat
         self.version = -1  # the weights version loaded; -1 until `load()`
+        self.compile_fallbacks = 0  # decodes that fell back to eager decoding after a failed compilation
 
     @abc.abstractmethod
     def load(self) -> int:
@@ -135,10 +167,26 @@ class GenerationBackend(abc.ABC):
         weights (the batch's oldest token defines its staleness, and its prompts' keys and values are computed by the
         same weights)."""
 
+    def generate_batches(self, batches: Sequence[SeededPrompts], ready=None) -> list[GenerationOutput]:
+        """Sample the rows of several generation batches, each from its own seed; one output per batch. This default
+        decodes them one after another (`generate`); a backend that can decode them in one call overrides it (`hf`,
+        `vllm`). `ready()`, if given, runs once, before the model first runs on any of them."""
+        outputs = []
+        for i, batch in enumerate(batches):
+            if i == 0 and ready is not None:
+                outputs.append(self.generate(batch.prompt_ids, batch.seed, ready))
+            else:
+                outputs.append(self.generate(batch.prompt_ids, batch.seed))
+        return outputs
+
     @abc.abstractmethod
     def update_weights(self) -> int:
         """Swap in the latest published weights (between batches, or between decoding steps with in-flight updates);
         return their version."""
+
+    def warm_up(self, sample_prompt_ids: Callable[[], list[list[int]]]) -> None:  # noqa: B027 (optional hook)
+        """Before the generation process reports ready: prepare what the first decode would otherwise pay for (CUDA
+        graph capture in `hf`), from prompts of the run's shapes (`sample_prompt_ids()`, called only if needed)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the engine."""

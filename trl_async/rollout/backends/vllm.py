@@ -272,12 +272,22 @@ class VLLMBackend(GenerationBackend):
 
         return [SamplingParams(**self.sampling_kwargs, seed=s) for s in row_seeds(seed, num_rows)]
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int | None = None) -> GenerationOutput:
+        return self._generate(prompt_ids, self.sampling_params(len(prompt_ids), seed))
+
+    def generate_batches(self, batches, ready=None) -> list[GenerationOutput]:
+        """Every batch's rows in one engine run, each row with its own seed from its batch's (`row_seeds`): the same
+        completions as one call per batch, with the engine's continuous batching over all of them."""
+        if ready is not None:
+            ready()
+        prompt_ids = [ids for batch in batches for ids in batch.prompt_ids]
+        params = [p for batch in batches for p in self.sampling_params(len(batch.prompt_ids), batch.seed)]
+        return self._generate(prompt_ids, params).split([len(batch.prompt_ids) for batch in batches])
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids: list[list[int]], sampling_params: list) -> GenerationOutput:
         prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_ids]
-        self.llm.enqueue(
-            prompts, self.sampling_params(len(prompts), seed), lora_request=self.lora_request, use_tqdm=False
-        )
+        self.llm.enqueue(prompts, sampling_params, lora_request=self.lora_request, use_tqdm=False)
         # Drive the engine ourselves (as `LLM.wait_for_completion` does) so that every decoding step beats.
         engine, finished = self.llm.llm_engine, []
         while engine.has_unfinished_requests():
