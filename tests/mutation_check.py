@@ -937,6 +937,19 @@ MUTATIONS = [
         ("tests/test_diverging_ranks.py::test_the_collective_check_names_both_ranks_calls_on_a_mismatch",),
         "the collective check fingerprints every call but never compares the ranks' fingerprints",
     ),
+    # --------------------------------------------------------------------------------------- review findings, issue 40
+    Mutation(
+        "tool_loop_contract_error_caught_by_trl",
+        "trl_async/rollout/tool_calls.py",
+        "class ToolLoopContractError(BaseException):",
+        "class ToolLoopContractError(RuntimeError):",
+        (
+            "tests/test_trl_contract.py::test_a_call_trls_tool_loop_makes_out_of_the_first_rounds_order_stops_the_batch",
+        ),
+        "the first round's contract check raises an Exception inside the tool call: TRL's loop turns it into the "
+        "tool's error result and training goes on with results paired with the wrong calls",
+    ),
+    # --------------------------------------------------------------------------------------- end of issue 40's block
     Mutation(
         "help_percent_unescaped",
         "trl_async/config/grpo.py",
