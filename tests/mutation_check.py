@@ -949,6 +949,16 @@ MUTATIONS = [
         "the first round's contract check raises an Exception inside the tool call: TRL's loop turns it into the "
         "tool's error result and training goes on with results paired with the wrong calls",
     ),
+    Mutation(
+        "resume_check_reads_the_newest_folder",
+        "trl_async/trainers/checkpoints.py",
+        "        return last_complete_checkpoint(output_dir)\n",
+        "        from transformers.trainer_utils import get_last_checkpoint\n\n"
+        "        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None\n",
+        ("tests/test_faults.py::test_the_checkpoint_checked_before_resume_true_is_the_newest_complete_one",),
+        "resume_checkpoint_dir(True) takes transformers' newest folder, a partial checkpoint included, against the "
+        "module's one rule for a complete checkpoint",
+    ),
     # --------------------------------------------------------------------------------------- end of issue 40's block
     Mutation(
         "help_percent_unescaped",
