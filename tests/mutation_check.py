@@ -959,6 +959,26 @@ MUTATIONS = [
         "resume_checkpoint_dir(True) takes transformers' newest folder, a partial checkpoint included, against the "
         "module's one rule for a complete checkpoint",
     ),
+    Mutation(
+        "collective_check_reads_the_group_by_name_only",
+        "trl_async/trainers/collectives.py",
+        '                    group = arguments.get("group")\n',
+        '                    group = kwargs.get("group")\n',
+        ("tests/test_diverging_ranks.py::test_a_sub_group_passed_by_position_is_checked_within_that_group",),
+        "a sub-group passed by position (`dist.barrier(pg)`) is fingerprinted over the whole world: the ranks outside "
+        "it are paired with it (a false mismatch, or a hang)",
+    ),
+    Mutation(
+        "collective_fingerprint_without_the_shape",
+        "trl_async/trainers/collectives.py",
+        "            fingerprint[4] = _stable_hash(str(call.shape))  # every dimension: sizes, rank and order\n",
+        "",
+        (
+            "tests/test_diverging_ranks.py::test_the_same_call_with_another_shape_on_each_rank_is_named_with_both_shapes",
+        ),
+        "the same call site with a tensor of another size on each rank passes the check: gloo aborts (or reduces "
+        "misaligned data) far from the call",
+    ),
     # --------------------------------------------------------------------------------------- end of issue 40's block
     Mutation(
         "help_percent_unescaped",
