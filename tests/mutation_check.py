@@ -937,6 +937,49 @@ MUTATIONS = [
         ("tests/test_diverging_ranks.py::test_the_collective_check_names_both_ranks_calls_on_a_mismatch",),
         "the collective check fingerprints every call but never compares the ranks' fingerprints",
     ),
+    # --------------------------------------------------------------------------------------- review findings, issue 40
+    Mutation(
+        "tool_loop_contract_error_caught_by_trl",
+        "trl_async/rollout/tool_calls.py",
+        "class ToolLoopContractError(BaseException):",
+        "class ToolLoopContractError(RuntimeError):",
+        (
+            "tests/test_trl_contract.py::test_a_call_trls_tool_loop_makes_out_of_the_first_rounds_order_stops_the_batch",
+        ),
+        "the first round's contract check raises an Exception inside the tool call: TRL's loop turns it into the "
+        "tool's error result and training goes on with results paired with the wrong calls",
+    ),
+    Mutation(
+        "resume_check_reads_the_newest_folder",
+        "trl_async/trainers/checkpoints.py",
+        "        return last_complete_checkpoint(output_dir)\n",
+        "        from transformers.trainer_utils import get_last_checkpoint\n\n"
+        "        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None\n",
+        ("tests/test_faults.py::test_the_checkpoint_checked_before_resume_true_is_the_newest_complete_one",),
+        "resume_checkpoint_dir(True) takes transformers' newest folder, a partial checkpoint included, against the "
+        "module's one rule for a complete checkpoint",
+    ),
+    Mutation(
+        "collective_check_reads_the_group_by_name_only",
+        "trl_async/trainers/collectives.py",
+        '                    group = arguments.get("group")\n',
+        '                    group = kwargs.get("group")\n',
+        ("tests/test_diverging_ranks.py::test_a_sub_group_passed_by_position_is_checked_within_that_group",),
+        "a sub-group passed by position (`dist.barrier(pg)`) is fingerprinted over the whole world: the ranks outside "
+        "it are paired with it (a false mismatch, or a hang)",
+    ),
+    Mutation(
+        "collective_fingerprint_without_the_shape",
+        "trl_async/trainers/collectives.py",
+        "            fingerprint[4] = _stable_hash(str(call.shape))  # every dimension: sizes, rank and order\n",
+        "",
+        (
+            "tests/test_diverging_ranks.py::test_the_same_call_with_another_shape_on_each_rank_is_named_with_both_shapes",
+        ),
+        "the same call site with a tensor of another size on each rank passes the check: gloo aborts (or reduces "
+        "misaligned data) far from the call",
+    ),
+    # --------------------------------------------------------------------------------------- end of issue 40's block
     Mutation(
         "help_percent_unescaped",
         "trl_async/config/grpo.py",

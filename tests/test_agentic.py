@@ -574,7 +574,7 @@ def test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_ow
     order on one thread, and each call's result or exception is what TRL's loop gets when it makes the call."""
     import threading
 
-    from trl_async.rollout.tool_calls import PrefetchedTool
+    from trl_async.rollout.tool_calls import PrefetchedTool, ToolLoopContractError
 
     log = []
 
@@ -607,7 +607,7 @@ def test_first_round_calls_run_concurrently_each_rollouts_in_order_with_their_ow
     assert threads["a"] == threads["b"] and [q for q, _, _ in log if q in "ab"] == ["a", "b"]
     assert sync_dicts[2]["search"](query="later round") == "LATER ROUND"  # no prefetched call: the call itself
     first_round.start([turn("x"), turn("y")], sync_dicts[:2])
-    with pytest.raises(RuntimeError, match="set tool_call_threads=1"):
+    with pytest.raises(ToolLoopContractError, match="set tool_call_threads=1"):
         sync_dicts[0]["search"](query="not x")
     sequential = FirstRoundCalls(threads=1)
     sequential.start([turn("x"), turn("y")], sync_dicts[:2])

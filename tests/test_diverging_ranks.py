@@ -67,15 +67,27 @@ _CHECK_SCRIPT = textwrap.dedent(
 )
 
 
+def _run_check_script(tmp_path, name: str, text: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """`text` as `name` on `processes` real processes (gloo, `torch.distributed.run`), with the check on; each rank
+    reports in `tmp_path/rank{k}.txt`."""
+    script = tmp_path / name
+    script.write_text(text)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+               "--master_port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+
+
+def _line_of(text: str, fragment: str) -> int:
+    """The line number of the one line of `text` that holds `fragment`."""
+    (number,) = [n for n, line in enumerate(text.splitlines(), start=1) if fragment in line]
+    return number
+
+
 def test_the_collective_check_names_both_ranks_calls_on_a_mismatch(tmp_path):
     """Two real processes (gloo) reach differently shaped all-reduces from different lines: with the check on, each
     rank raises `CollectiveMismatchError` naming both calls (shape, dtype, file and line) instead of gloo's transport
     error or a hang; the calls before it, the same on both ranks, pass."""
-    script = tmp_path / "mismatch.py"
-    script.write_text(_CHECK_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    proc = _run_check_script(tmp_path, "mismatch.py", _CHECK_SCRIPT)
     assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
     lines = _CHECK_SCRIPT.splitlines()
     line_of = {shape: lines.index(next(x for x in lines if f"torch.ones({shape}, dtype" in x)) + 1 for shape in (3, 5)}
@@ -85,6 +97,108 @@ def test_the_collective_check_names_both_ranks_calls_on_a_mismatch(tmp_path):
         assert f"rank 0: all_reduce float64 (3,) at mismatch.py:{line_of[3]}" in report, report
         assert f"rank 1: all_reduce float64 (5,) at mismatch.py:{line_of[5]}" in report, report
         assert "after: barrier" in report  # each rank's previous call, for orientation
+
+
+_SAME_SITE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    from trl_async.trainers import collectives
+    from trl_async.trainers.collectives import CollectiveMismatchError
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report = os.path.join(sys.argv[1], f"rank{rank}.txt")
+    assert collectives.install_if_requested()
+    # Each step, each rank pads its batch to its own longest completion; at step 2 the ranks' longest differ.
+    for step, longest in enumerate([(5, 5), (6, 6), (7, 9)]):
+        try:
+            dist.all_reduce(torch.zeros(4, longest[rank]))  # the one call site
+        except CollectiveMismatchError as error:
+            open(report, "w").write(f"CAUGHT at step {step}: {error}")
+            dist.destroy_process_group()
+            sys.exit(3)
+    open(report, "w").write("NOT CAUGHT")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_same_call_with_another_shape_on_each_rank_is_named_with_both_shapes(tmp_path):
+    """The commonest divergence: both ranks at the same line, each with a tensor sized by its own data. Two real
+    processes (gloo): the steps where the shapes agree pass; where they differ, each rank raises, naming the call site
+    once and both shapes, and says what to do, instead of gloo's abort."""
+    proc = _run_check_script(tmp_path, "same_site.py", _SAME_SITE_SCRIPT)
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    site = f"same_site.py:{_line_of(_SAME_SITE_SCRIPT, 'the one call site')} in <module>"
+    for rank in (0, 1):
+        report = (tmp_path / f"rank{rank}.txt").read_text()
+        assert report.startswith("CAUGHT at step 2: "), report
+        assert f"rank 0: all_reduce float32 (4, 7) at {site} (after: all_reduce float32 (4, 6) at {site})" in report
+        assert f"rank 1: all_reduce float32 (4, 9) at {site}" in report, report
+        assert (
+            f"Every rank is at the same call, all_reduce at {site}, with a tensor of another shape or dtype: "
+            "float32 (4, 7) on rank 0, float32 (4, 9) on rank 1." in report
+        ), report
+
+
+_SUB_GROUP_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+    from trl_async.trainers import collectives
+    from trl_async.trainers.collectives import CollectiveMismatchError
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report = os.path.join(sys.argv[1], f"rank{rank}.txt")
+    pair = dist.new_group([0, 1])  # made by every rank; rank 2 is not in it
+    assert collectives.install_if_requested()
+    try:
+        if rank in (0, 1):
+            dist.barrier(pair)  # the group by position
+            dist.all_reduce(torch.ones(3), dist.ReduceOp.SUM, pair)  # by position too
+        dist.all_reduce(torch.ones(2))  # the world's: all three ranks
+        if rank in (0, 1):
+            dist.all_reduce(torch.ones(4 if rank == 0 else 6), dist.ReduceOp.SUM, pair)  # the pair differs
+    except CollectiveMismatchError as error:
+        open(report, "w").write(f"CAUGHT: {error}")
+        dist.destroy_process_group()
+        sys.exit(3)
+    open(report, "w").write(f"IN STEP after {collectives.checked_collectives()} collectives of the world")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_sub_group_passed_by_position_is_checked_within_that_group(tmp_path):
+    """Three real processes (gloo), a group of ranks 0 and 1 passed by position (`dist.barrier(pair)`,
+    `dist.all_reduce(t, op, pair)`): its collectives are compared among its two ranks only, while rank 2, outside it,
+    goes on with the world's collectives in step; a mismatch within the group is named by the two ranks' world ranks
+    and the group's."""
+    proc = _run_check_script(tmp_path, "sub_group.py", _SUB_GROUP_SCRIPT, processes=3)
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "rank2.txt").read_text() == "IN STEP after 1 collectives of the world"
+    site = f"sub_group.py:{_line_of(_SUB_GROUP_SCRIPT, '# the pair differs')} in <module>"
+    for rank in (0, 1):
+        report = (tmp_path / f"rank{rank}.txt").read_text()
+        assert report.startswith("CAUGHT: The ranks reached different collectives (collective #2 of this run on the "
+                                 f"process group of ranks [0, 1]; seen from rank {rank}):"), report  # fmt: skip
+        assert f"rank 0: all_reduce float32 (4,) at {site}" in report, report
+        assert f"rank 1: all_reduce float32 (6,) at {site}" in report, report
+        assert "rank 2" not in report, report
+
+
+def test_the_check_refuses_a_torch_whose_collective_renamed_a_parameter_it_reads():
+    """The check reads each call's group and tensor by torch's parameter names: under a torch that renamed one it would
+    compare nothing, so installing it fails, naming the function and the parameter."""
+    from trl_async.trainers import collectives
+
+    def all_reduce(buffer, op=None, group=None, async_op=False):  # a torch whose buffer is no longer `tensor`
+        return None
+
+    with pytest.raises(RuntimeError, match=r"torch.distributed.all_reduce\(buffer.*has no parameter 'tensor'"):
+        collectives._Checker()._checked("all_reduce", all_reduce)
 
 
 def test_a_log_on_the_main_process_alone_runs_no_collective(tmp_path):

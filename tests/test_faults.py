@@ -34,6 +34,7 @@ from trl_async.trainers.checkpoints import (
     incomplete_marker,
     is_complete_checkpoint,
     last_complete_checkpoint,
+    resume_checkpoint_dir,
 )
 
 MAX_STEPS, SAVE_STEPS = 12, 3
@@ -135,6 +136,22 @@ def test_the_newest_complete_checkpoint_is_found_by_step_not_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint-16.*no trainer_state.json"):
         check_resumable(str(tmp_path / "checkpoint-16"))
     check_resumable(str(tmp_path / "checkpoint-10"))  # complete: no error
+
+
+def test_the_checkpoint_checked_before_resume_true_is_the_newest_complete_one(tmp_path):
+    """`resume_checkpoint_dir(True, ...)`, the folder `check_resume` reads, follows the module's rule (one reader:
+    `last_complete_checkpoint`), not transformers' newest folder."""
+    for step in (3, 6):  # saved as the trainers save: marked, written, unmarked
+        begin_save(str(tmp_path / f"checkpoint-{step}"))
+        _fake_checkpoint(str(tmp_path / f"checkpoint-{step}"))
+        finish_save(str(tmp_path / f"checkpoint-{step}"))
+    begin_save(str(tmp_path / "checkpoint-9"))  # interrupted after Trainer's last file, before the marker went
+    _fake_checkpoint(str(tmp_path / "checkpoint-9"))
+    _fake_checkpoint(str(tmp_path / "checkpoint-12"), complete=False)  # interrupted before Trainer's last file
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")  # what transformers would resume
+    assert resume_checkpoint_dir(True, str(tmp_path)) == str(tmp_path / "checkpoint-6")
+    assert resume_checkpoint_dir(True, str(tmp_path / "no-run-yet")) is None  # transformers reports that itself
+    assert resume_checkpoint_dir(str(tmp_path / "checkpoint-3"), str(tmp_path)) == str(tmp_path / "checkpoint-3")
 
 
 def test_train_refuses_a_partial_checkpoint_and_resumes_true_only_from_a_complete_one(tmp_path):

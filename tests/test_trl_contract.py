@@ -380,3 +380,44 @@ def test_trl_sets_up_what_agentic_runs_read_of_the_trainer(tmp_path, tools_token
     assert missing == []
     assert trainer._standalone_tools == [multiply] and list(trainer.environment_factories) == [None]
     assert [tool.__name__ for tool in trainer.tools] == ["multiply", "increment"]
+
+
+def test_a_call_trls_tool_loop_makes_out_of_the_first_rounds_order_stops_the_batch(tools_tokenizer):
+    """With `tool_call_threads` > 1 the first round's calls are made before TRL's loop, in the order of each rollout's
+    first turn, and handed to TRL's loop as it makes them. A TRL that made them in another order would pair results
+    with the wrong calls: the check must stop the batch with its message through TRL 1.16's real `_tool_call_loop`,
+    which turns every `Exception` of a tool call into an `{'error': ...}` result and goes on."""
+    from transformers import AutoConfig
+
+    from trl_async.rollout.agentic import ToolLoopHost
+    from trl_async.rollout.tool_calls import FirstRoundCalls, PrefetchedTool, ToolLoopContractError
+    from trl_async.toy import tiny_tools_model_path
+    from trl_async.toy.tools import multiply, tool_call_text
+
+    class LastToFirstRound(FirstRoundCalls):
+        """The first round as it would be if TRL called a rollout's tools last to first, as a TRL could: the calls of
+        each first turn made in reverse order. TRL 1.16's loop, run below, makes them first to last."""
+
+        def start(self, completions, sync_dicts):
+            reversed_turns = [[{**turn[0], "tool_calls": turn[0].get("tool_calls", [])[::-1]}] for turn in completions]
+            super().start(reversed_turns, sync_dicts)
+
+    def ids(text):
+        return tools_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    two_calls = ids(tool_call_text("multiply", {"a": 3, "b": 4}) + "\n" + tool_call_text("multiply", {"a": 5, "b": 6})
+                    + "<|im_end|>")  # fmt: skip
+    turns = iter([two_calls, ids("#### 12<|im_end|>")])
+
+    def generate_turn(prompt_ids):
+        completion = next(turns)
+        return [completion] * len(prompt_ids), [[-0.5] * len(completion)] * len(prompt_ids)
+
+    first_round = LastToFirstRound(threads=2)
+    host = ToolLoopHost(tools_tokenizer, generate_turn, model_config=AutoConfig.from_pretrained(tiny_tools_model_path()),
+                        tools=[multiply], max_completion_length=96, first_round=first_round)  # fmt: skip
+    host._sync_tool_dicts = [{"multiply": PrefetchedTool(multiply, row, "multiply", first_round)} for row in range(2)]
+    host._async_tool_dicts = [{}, {}]
+    prompts = [[{"role": "user", "content": "What is 3*4 and 5*6?"}] for _ in range(2)]
+    with pytest.raises(ToolLoopContractError, match=r"TRL changed how it runs the calls.*set tool_call_threads=1"):
+        host.run(prompts)

@@ -21,6 +21,16 @@ class ToolTimeoutError(RuntimeError):
     """A tool or environment call did not return within `tool_timeout` (reported by the generation process)."""
 
 
+class ToolLoopContractError(BaseException):
+    """TRL's tool loop made a call other than the one the first round made for it: TRL changed how it runs the calls.
+
+    A `BaseException`, not an `Exception`: it is raised inside TRL's call of the tool, and TRL's loop turns every
+    `Exception` there into the tool's `{'error': ...}` result and goes on, so an `Exception` would never stop the run
+    (the model would be trained on a conversation where the call silently failed). Like `KeyboardInterrupt` it passes
+    through `except Exception` to the generation process, which reports every `BaseException` to the trainer
+    (`GeneratorError`), and it stops the batch at the call that diverged, before a wrong result reaches any rollout."""
+
+
 class CallWatchdog:
     """`tool_timeout` for the tool and environment calls of the generation process.
 
@@ -175,7 +185,7 @@ class FirstRoundCalls:
             return None
         called, called_with, outcome, raised = outcomes.pop(0)
         if (called, called_with) != (name, arguments):
-            raise RuntimeError(
+            raise ToolLoopContractError(
                 f"TRL's tool loop called {name}({arguments}) where the first round's calls, in TRL's order, had "
                 f"{called}({called_with}): TRL changed how it runs the calls (trl_contract); set tool_call_threads=1."
             )

@@ -262,12 +262,11 @@ def check_resume_checkpoint(checkpoint_dir: str, model: Any, current_geometry: d
 
 
 def resume_checkpoint_dir(resume_from_checkpoint: Any, output_dir: str) -> str | None:
-    """The folder `Trainer.train(resume_from_checkpoint=...)` resumes from (`True`: the last one in `output_dir`), or
-    None (no resume, or nothing to resume from: transformers reports that itself)."""
+    """The folder `Trainer.train(resume_from_checkpoint=...)` resumes from (`True`: the newest complete one in
+    `output_dir`, as `train` resolves it, never transformers' newest folder), or None (no resume, or nothing to resume
+    from: transformers reports that itself)."""
     if resume_from_checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        return last_complete_checkpoint(output_dir)
     if isinstance(resume_from_checkpoint, str) and os.path.isdir(resume_from_checkpoint):
         return resume_from_checkpoint
     return None
