@@ -55,6 +55,11 @@ BAD_INPUT_TEST = "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_
 
 AGENTIC_TEST = "tests/test_agentic.py"
 
+MULTI_BATCH_TEST = "tests/test_multi_batch_decode.py"
+FAST_START_TEST = (
+    "test_the_generation_process_builds_its_lora_copy_from_the_published_weights_without_a_copy_of_the_base"
+)
+
 
 def bad_input(*case_ids: str) -> tuple[str, ...]:
     """The cases of `tests/test_bad_inputs.py`'s table that guard a check."""
@@ -1155,6 +1160,141 @@ MUTATIONS = [
         '            with named_errors(f"Raised by the environment',
         bad_input("environment_reset_raises"),
         "an environment whose reset raises ends the run without naming which environment",
+    ),
+    # ------------------------------------------------------------------ several batches per decode (issue 39)
+    Mutation(
+        "block_reserved_as_soon_as_part_of_it_is_admissible",
+        "trl_async/rollout/queue.py",
+        "                    if count == max_items or (count and awaited):",
+        "                    if count:",
+        (f"{MULTI_BATCH_TEST}::test_a_block_is_reserved_whole_when_every_batch_of_it_is_admissible",),
+        "the generator decodes whatever part of a block is admissible, so blocks shrink to one batch when it runs ahead",
+    ),
+    Mutation(
+        "block_gated_by_its_first_batch",
+        "trl_async/rollout/queue.py",
+        "            min_version = needed if min_version is None else max(min_version, needed)",
+        "            min_version = needed if min_version is None else min_version",
+        (f"{MULTI_BATCH_TEST}::test_a_block_is_reserved_whole_when_every_batch_of_it_is_admissible",),
+        "a block's weights are gated for its first batch only: its last batches may be older than the bound",
+    ),
+    Mutation(
+        "derived_bound_ignores_the_block",
+        "trl_async/config/grpo.py",
+        "        args.max_staleness = pipelined_max_staleness(items, *_schedule(args))",
+        "        args.max_staleness = pipelined_max_staleness(1, *_schedule(args))",
+        (
+            f"{MULTI_BATCH_TEST}::test_the_bound_and_the_batches_per_decode_a_config_gets",
+            "tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss[blocks_of_2]",
+        ),
+        "the derived bound is the one-batch bound, so the blocks the rows ask for never fit in it",
+    ),
+    Mutation(
+        "m2po_default_one_batch_per_decode",
+        "trl_async/config/grpo.py",
+        'DEFAULT_ITEMS_PER_DECODE = {"m2po": 2}',
+        'DEFAULT_ITEMS_PER_DECODE = {"m2po": 1}',
+        (f"{MULTI_BATCH_TEST}::test_the_bound_and_the_batches_per_decode_a_config_gets",),
+        "M2PO's default decodes one generation batch per call (the device stays as empty as before)",
+    ),
+    Mutation(
+        "agentic_runs_decode_blocks",
+        "trl_async/config/grpo.py",
+        "    if not args.async_generation or args.fixed_staleness is not None or agentic or not rows:",
+        "    if not args.async_generation or args.fixed_staleness is not None or not rows:",
+        (f"{MULTI_BATCH_TEST}::test_an_agentic_run_decodes_one_batch_at_a_time",),
+        "an agentic run asks TRL's one-batch multi-turn loop for a block",
+    ),
+    Mutation(
+        "every_batch_of_a_decode_seeded_alike",
+        "trl_async/rollout/backends/hf.py",
+        "                generator.manual_seed(int(seed))",
+        "                generator.manual_seed(0)",
+        (
+            f"{MULTI_BATCH_TEST}::test_each_batch_draws_from_its_own_generator",
+            f"{MULTI_BATCH_TEST}::test_a_batch_decoded_beside_another_samples_what_it_samples_alone",
+        ),
+        "the batches of one decode draw from generators seeded alike: their seeds no longer decide their samples",
+    ),
+    Mutation(
+        "sampler_draws_from_the_uniform_not_the_scores",
+        "trl_async/rollout/backends/hf.py",
+        "        probs = torch.softmax(scores.float(), dim=-1)",
+        "        probs = torch.isfinite(scores).float()",
+        (f"{MULTI_BATCH_TEST}::test_the_seeded_sampler_draws_from_the_scores_distribution",),
+        "the sampler draws uniformly among the allowed tokens instead of from their probabilities",
+    ),
+    Mutation(
+        "split_keeps_the_decode_width",
+        "trl_async/rollout/backends/base.py",
+        "                        f.name: None if (value := getattr(self, f.name)) is None else value[rows, :width]",
+        "                        f.name: None if (value := getattr(self, f.name)) is None else value[rows]",
+        (f"{MULTI_BATCH_TEST}::test_split_cuts_each_batch_to_its_own_longest_completion",),
+        "a batch decoded beside a longer one keeps the other's padding columns",
+    ),
+    Mutation(
+        "frozen_base_copied_into_the_generator",
+        "trl_async/rollout/backends/hf.py",
+        "            if source.device == device and source.dtype == parameter.dtype:\n                data = source\n",
+        "            if source.device == device and source.dtype == parameter.dtype:\n                data = source.clone()\n",
+        (f"{MULTI_BATCH_TEST}::{FAST_START_TEST}",),
+        "the generation process copies the frozen base instead of using the shared memory (a second 2 GB at 0.5B)",
+    ),
+    Mutation(
+        "output_embedding_left_untied",
+        "trl_async/rollout/backends/hf.py",
+        "    if output is None or embedding is None or output.weight is embedding.weight:\n        return",
+        "    if True:\n        return",
+        (f"{MULTI_BATCH_TEST}::{FAST_START_TEST}",),
+        "a model built on meta keeps lm_head untied from the published input embedding",
+    ),
+    Mutation(
+        "compile_fallback_retries_the_broken_compiler",
+        "trl_async/rollout/backends/hf.py",
+        "            self.generation_config = generation_config_for_rollouts(self.context.generation_config)\n",
+        "",
+        (f"{MULTI_BATCH_TEST}::test_a_failed_compilation_falls_back_to_eager_decoding_and_is_counted",),
+        "after a failed compilation the decode is retried with the same compile settings, and the batch fails",
+    ),
+    Mutation(
+        "every_error_taken_for_a_compile_failure",
+        "trl_async/rollout/backends/hf.py",
+        "            if not _is_compile_failure(error):\n                raise",
+        "            if False:\n                raise",
+        (f"{MULTI_BATCH_TEST}::test_a_model_error_under_cuda_graphs_is_not_taken_for_a_compile_failure",),
+        "a model or data error under CUDA graphs is swallowed as a compile failure and retried eagerly",
+    ),
+    Mutation(
+        "rows_per_decode_logs_the_batch_rows",
+        "trl_async/rollout/pipeline.py",
+        '        window["decode_rows_sum"] += batch.payload.decode_rows or rows',
+        '        window["decode_rows_sum"] += rows',
+        ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss[blocks_of_2]",),
+        "async/rows_per_decode logs the rows of each batch, not of the decode that sampled it",
+    ),
+    Mutation(
+        "cuda_graphs_on_a_cpu_accepted",
+        "trl_async/config/refusals.py",
+        '    if args.async_generation and setting == "on" and torch.device(generation_device).type != "cuda":',
+        "    if False:",
+        bad_input("cuda_graphs_on_a_cpu"),
+        "generation_cuda_graphs='on' on a CPU is accepted and silently decodes without CUDA graphs",
+    ),
+    Mutation(
+        "rows_per_decode_below_a_batch_accepted",
+        "trl_async/config/grpo.py",
+        "        not isinstance(rows_cap, int) or rows is None or rows_cap >= rows,",
+        "        True,",
+        bad_input("rows_per_decode_below_a_batch"),
+        "a cap below one generation batch is accepted (and silently decodes the whole batch anyway)",
+    ),
+    Mutation(
+        "continuous_batching_ignored",
+        "trl_async/config/grpo.py",
+        '        not (args.async_generation and getattr(args, "use_transformers_continuous_batching", False)),',
+        "        True,",
+        bad_input("continuous_batching_async"),
+        "TRL's use_transformers_continuous_batching is silently ignored by the generation process",
     ),
 ]
 

@@ -81,6 +81,13 @@ def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, token
     # Every batch came from a decode of whole batches, at most the block; the block is reached.
     assert rows_per_decode and max(rows_per_decode) == expected, rows_per_decode
     assert all(batch_rows <= r <= expected for r in rows_per_decode), rows_per_decode
+    # The timeline shows each decode's rows (the generation process's decode spans).
+    from trl_async import timeline
+
+    trace = timeline.load_trace(args.output_dir)
+    generator = next(p["pid"] for p in timeline.analysis.processes(trace) if p["role"] == "generator")
+    decoded = [e["args"]["rows"] for e in trace["traceEvents"] if e.get("pid") == generator and e["name"] == "decode"]
+    assert decoded and max(decoded) == expected, decoded
 
 
 class _EpochEnd(TrainerCallback):

@@ -365,7 +365,7 @@ def test_stale_batch_reused_across_steps_gives_ppo_targets_and_loss_computed_ind
     policy_probe, reference = load_model(), load_model()
     args = ppo_args(
         tmp_path, max_steps=4, num_iterations=2, max_staleness=3, weight_sync_steps=3,
-        trainer_generates_while_starting=False, learning_rate=3e-4, critic_learning_rate=3e-3, kl_coef=0.1,
+        trainer_generates_while_starting=False, learning_rate=6e-4, critic_learning_rate=3e-3, kl_coef=0.1,
         gamma=0.9, lam=0.8, cliprange_value=0.05, per_device_train_batch_size=16, max_completion_length=16,
     )  # fmt: skip
     assert args.whiten_advantages and args.vllm_importance_sampling_mode == "sequence_mask"

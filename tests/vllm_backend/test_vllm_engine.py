@@ -133,6 +133,20 @@ def test_output_layout_and_seeds(engine):
         assert (logps[row, n:] == 0).all() and (logps[row, :n] < 0).all()
 
 
+def test_several_batches_in_one_engine_run_sample_what_each_samples_alone(engine):
+    """`generate_batches`: every batch's rows in one engine run, each row seeded from its batch's seed, so each batch
+    gets the completions it gets alone; the outputs are cut to each batch's own longest completion."""
+    from trl_async.rollout.backends import SeededPrompts
+
+    _, _, backend = engine
+    first, second = tiny_prompts(4, seed=21), tiny_prompts(6, seed=22)
+    alone = [backend.generate(first, seed=5), backend.generate(second, seed=6)]
+    together = backend.generate_batches([SeededPrompts(first, 5), SeededPrompts(second, 6)])
+    for single, shared in zip(alone, together, strict=True):
+        assert torch.equal(single.completion_ids, shared.completion_ids)
+        assert torch.equal(single.logprobs, shared.logprobs)
+
+
 def test_seeded_batch_larger_than_one_engine_step(engine):
     """Regression: vLLM 0.32's CPU engine crashed on seeded requests whose prefill spans two steps."""
     model, _, backend = engine
