@@ -89,6 +89,12 @@ def _scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float
     return torch.full((), value, dtype=dtype, device=device)
 
 
+def _at(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` for a 0-dim integer tensor ``index``, on the device.  Python indexing with a 0-dim tensor
+    reads it on the host first (``item()``: a device sync); ``gather`` does not."""
+    return values.gather(0, index.reshape(1)).squeeze(0)
+
+
 def _rank_desc_then_index(values: Tensor, flat_index: Tensor) -> Tensor:
     """Permutation ordering ``values`` (float32, >= 0 or +inf) by value descending, then flat index ascending.
 
@@ -218,7 +224,8 @@ def _drop_count(sorted_vals: Tensor, n_cand: int, small_sum: Tensor | float, tau
     else:
         # Algorithm 1 stops at the latest when T is empty; the candidates left then (delta^2 <= tau) have mean
         # <= tau in exact arithmetic, so k = c always qualifies (float64 rounding must not say otherwise).
-        cond[-1] = True
+        # (Not `cond[-1] = True`: assigning a number to one element copies it from the host, a device sync.)
+        cond |= kk == c
     found = cond.any()
     k_star = torch.argmax(cond.to(torch.uint8))
     return k_star, found, rem
