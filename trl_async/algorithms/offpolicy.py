@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .importance import weights_on_a_bound
+
 OFFPOLICY_SUM_KEYS = (
     "tokens",  # valid tokens
     "delta_sq",  # Σ δ² over valid tokens
@@ -198,8 +200,7 @@ def importance_weight_sums(
     sequence = mode.startswith("sequence")
     clipped = None
     if mode.endswith("truncate"):
-        bounds = torch.tensor([b for b in (clip_min, clip_max) if b is not None], dtype=full.dtype, device=full.device)
-        clipped = torch.isin(full, bounds) & valid
+        clipped = weights_on_a_bound(full, clip_min, clip_max) & valid
     after = None if sequence else torch.log(full.clamp(min=torch.finfo(full.dtype).tiny))
     masked_rows = (weights.reshape(-1) == 0) if sequence and mode.endswith("mask") else None
     return offpolicy_sums(delta, mask, kept=(full != 0) & valid, delta_after=after, clipped=clipped,
