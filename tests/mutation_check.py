@@ -225,8 +225,8 @@ MUTATIONS = [
     Mutation(
         "m2po_paper_without_trust_region",
         "trl_async/algorithms/m2po/selection.py",
-        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
-        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
+        "sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign()",
+        "sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
         "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
     ),

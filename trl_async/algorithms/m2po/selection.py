@@ -184,7 +184,8 @@ def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: s
         if rule != "all_tokens":
             raise ValueError(f"rule={rule!r} needs the advantages (its candidates are the trust-region tokens).")
         return _Tokens(delta, valid, dv, None, owned)
-    sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()
+    # The sign in float32 too: a float64 advantage would promote r (and every delta^2 ranked from it) to float64.
+    sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign()
     return _Tokens(delta, valid, dv, torch.mul(dv, sign).clamp_(min=0.0), owned)
 
 
