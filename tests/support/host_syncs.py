@@ -80,6 +80,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 class HostSync:
     what: str  # the op or method, and why it waits
     where: str  # the first caller outside torch and this module, "file:line in function"
+    path: str  # that caller's file, absolute (`HostSyncCounter.made_by` selects on it)
 
 
 class HostSyncCounter:
@@ -98,8 +99,15 @@ class HostSyncCounter:
     def reset(self) -> None:
         self.events.clear()
 
-    def report(self) -> str:
-        return "\n".join(f"{e.what}  at {e.where}" for e in self.events) or "no host sync"
+    def report(self, events: list[HostSync] | None = None) -> str:
+        events = self.events if events is None else events
+        return "\n".join(f"{e.what}  at {e.where}" for e in events) or "no host sync"
+
+    def made_by(self, package_dir: str) -> list[HostSync]:
+        """The syncs whose first caller outside torch is a file under `package_dir` (e.g. trl_async's own, in a step
+        that also runs TRL's and transformers' code)."""
+        root = os.path.join(os.path.abspath(package_dir), "")
+        return [e for e in self.events if e.path.startswith(root)]
 
     # ---------------------------------------------------------------------------------------------------- host data
     def is_host(self, tensor: torch.Tensor) -> bool:
@@ -114,7 +122,7 @@ class HostSyncCounter:
 
     def _record(self, what: str) -> None:
         if self._depth == 0:
-            self.events.append(HostSync(what, _caller()))
+            self.events.append(HostSync(what, *_caller()))
 
     # --------------------------------------------------------------------------------------- Python-level wrappers
     def _wrap(self, real, handler):
@@ -267,12 +275,12 @@ def _index_put_waits(args, counter: HostSyncCounter) -> str | None:
     return None
 
 
-def _caller() -> str:
+def _caller() -> tuple[str, str]:
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = os.path.abspath(frame.filename)
-        if path != _HERE and not path.startswith(_TORCH_DIR):
-            return f"{os.path.relpath(path)}:{frame.lineno} in {frame.name}"
-    return "?"
+        if path != _HERE and not path.startswith(os.path.join(_TORCH_DIR, "")):
+            return f"{os.path.relpath(path)}:{frame.lineno} in {frame.name}", path
+    return "?", "?"
 
 
 @contextlib.contextmanager
