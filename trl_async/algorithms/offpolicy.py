@@ -145,8 +145,10 @@ def offpolicy_metrics(
 
 def row_age_counts(ages: Tensor, max_age: int) -> Tensor:
     """(max_age + 2,) float64 counts of `ages` (B,): bucket a for age a ≤ max_age, the last for anything older."""
-    ages = ages.detach().to(torch.long).clamp(min=0, max=max_age + 1)
-    return torch.bincount(ages, minlength=max_age + 2).to(torch.float64)
+    ages = ages.detach().to(torch.long).clamp(min=0, max=max_age + 1).reshape(-1)
+    # index_add_ into the known buckets, not bincount: bincount reads the largest value on the host (a device sync).
+    counts = torch.zeros(max_age + 2, dtype=torch.float64, device=ages.device)
+    return counts.index_add_(0, ages, torch.ones_like(ages, dtype=torch.float64))
 
 
 def log_histogram_to_trackers(callbacks, name: str, counts: dict[int, float], step: int) -> None:
