@@ -166,7 +166,7 @@ def test_a_training_micro_step_corrects_and_records_with_at_most_the_selections_
     assert not torch.equal(trainer._statistics["train"].values, window_before)
 
 
-def test_a_micro_batch_m2po_masked_whole_is_warned_about_when_the_window_is_logged(tmp_path, dataset, caplog):
+def test_a_micro_batch_m2po_masked_whole_is_warned_about_at_log_time(tmp_path, dataset, caplog):
     # The all-masked flag is no longer read per micro-batch (a sync): the window counts it, the log warns.
     trainer = _trainer(tmp_path, dataset, loss_type="m2po", m2po_rule="all_tokens")
     inputs, policy = make_batch(trainer.processing_class, trainer.model, seed=3)

@@ -670,13 +670,10 @@ class AsyncRolloutMixin(ModelCardMixin):
             self._metrics[mode][key] = [value]
         all_masked = int(totals["m2po"][-1])  # micro-batches of the window (every rank) that kept no token
         if all_masked and self.accelerator.is_main_process:
-            logger.warning(
-                "M2PO masked every token of %d micro-batch(es) in this logging window (their smallest δ² exceeds "
-                "m2po_threshold=%s): they contribute no gradient. Frequent occurrences mean the rollouts are far "
-                "off-policy; lower max_staleness.",
-                all_masked,
-                getattr(self.args, "m2po_threshold", None),
-            )
+            logger.warning("M2PO masked every token of %d micro-batch(es) in this logging window (their smallest δ² "
+                           "exceeds m2po_threshold=%s): they contribute no gradient. Frequent occurrences mean the "
+                           "rollouts are far off-policy; lower max_staleness.", all_masked,
+                           getattr(self.args, "m2po_threshold", None))  # fmt: skip
         counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
         if self.accelerator.is_main_process and counts:
             log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,
