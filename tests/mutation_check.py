@@ -47,6 +47,14 @@ M2PO_GLOBAL_TRAINER_TEST = (
 M2PO_TRAINING_VALUES_TEST = (
     "tests/test_m2po_trainer.py::test_m2po_training_loss_and_metrics_equal_the_rule_recomputed_from_the_weights"
 )
+M2PO_SYNC_TEST = "tests/test_losses.py::test_cuda_sync_promise_checked_on_cpu"
+STEP_SYNC_TEST = (
+    "tests/test_step_host_syncs.py::test_a_training_micro_step_corrects_and_records_with_at_most_the_selections_sync"
+)
+CLIPPED_IN_OWN_DTYPE_TEST = (
+    "tests/test_correction.py::test_truncated_weights_on_a_bound_are_counted_as_clipped_in_their_own_dtype"
+)
+CLIPPED_PER_ROW_TEST = "tests/test_correction.py::test_truncated_sequence_weights_on_a_bound_are_counted_per_row"
 RESUME_CHAIN_TEST = "tests/test_resume_and_failures.py::test_resume_twice_in_a_row_continues_exactly_on_policy"
 
 DIVERGING_TEST = "tests/test_diverging_ranks.py::test_ranks_that_differ_stay_in_step"
@@ -171,6 +179,22 @@ MUTATIONS = [
         ("tests/test_importance_trainer.py",),
         "the weight is μ/π_old instead of π_old/μ",
     ),
+    Mutation(
+        "truncated_weights_upcast_before_the_bound_check",
+        "trl_async/trainers/correction.py",
+        '    weights = weights.detach()\n    if settings.mode.endswith("mask"):',
+        '    weights = weights.detach().to(torch.float64)\n    if settings.mode.endswith("mask"):',
+        (CLIPPED_IN_OWN_DTYPE_TEST, CLIPPED_PER_ROW_TEST),
+        "float32 weights held at 1.2 are upcast before the comparison: sampling/.../clipped_fraction misses them",
+    ),
+    Mutation(
+        "truncation_bound_of_zero_dropped",
+        "trl_async/algorithms/importance.py",
+        "        if bound is not None:\n            on_bound |= weights == bound",
+        "        if bound:\n            on_bound |= weights == bound",
+        (CLIPPED_IN_OWN_DTYPE_TEST,),
+        "clip_min=0.0 is no bound for the clipped figures: a weight held at 0 is not counted as clipped",
+    ),
     # --------------------------------------------------------------------------------------- behaviour log-probs
     Mutation(
         "mu_from_raw_logits",
@@ -230,8 +254,8 @@ MUTATIONS = [
     Mutation(
         "m2po_paper_without_trust_region",
         "trl_async/algorithms/m2po/selection.py",
-        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()",
-        "sign = _broadcast_advantages(advantages.detach().to(device), delta).sign().abs()",
+        "sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign()",
+        "sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign().abs()",
         ("tests/test_losses.py", "tests/test_losses_paper_heldout.py"),
         "the trust region ignores the advantage's sign: tokens moving against their advantage become candidates",
     ),
@@ -274,6 +298,106 @@ MUTATIONS = [
         "offset=0,",
         (M2PO_GLOBAL_TRAINER_TEST,),
         "every rank reads its kept tokens from the start of the gathered order: rank 1 gets rank 0's decisions",
+    ),
+    # One host sync per M2PO call on an accelerator, counted on the CPU (tests/support/host_syncs.py); every dtype.
+    Mutation(
+        "m2po_k_star_read_on_the_host",
+        "trl_async/algorithms/m2po/fast.py",
+        "rem_kept = _at(rem, k_star_t)",
+        "rem_kept = rem[k_star_t]",
+        (M2PO_SYNC_TEST,),
+        "the general path indexes with the 0-dim k*: Python reads it with item(), a second host sync",
+    ),
+    Mutation(
+        "m2po_last_k_assigned_from_the_host",
+        "trl_async/algorithms/m2po/selection.py",
+        "        cond |= kk == c",
+        "        cond[-1] = True",
+        (M2PO_SYNC_TEST, "tests/test_losses_global.py::test_global_selection_makes_at_most_one_host_sync"),
+        "Algorithm 1's last k is assigned as a number: a blocking host-to-device copy in every sorting call",
+    ),
+    Mutation(
+        "authors_cut_read_on_the_host",
+        "trl_async/algorithms/m2po/authors_code.py",
+        "_at(v, (k_star - 1).clamp(min=0))",
+        "v[(k_star - 1).clamp(min=0)]",
+        (M2PO_SYNC_TEST,),
+        "the authors' cut is indexed with a 0-dim tensor: a second host sync whenever the budget is broken",
+    ),
+    Mutation(
+        "m2po_stats_copied_to_the_device_blocking",
+        "trl_async/algorithms/m2po/stats.py",
+        "    return vec.to(device, non_blocking=True)",
+        "    return vec.to(device)",
+        (M2PO_SYNC_TEST,),
+        "the stats made from host numbers are uploaded with a blocking copy (a sync; pinned and non_blocking is none)",
+    ),
+    Mutation(
+        "m2po_sign_in_the_advantages_dtype",
+        "trl_async/algorithms/m2po/selection.py",
+        "advantages.detach().to(device=device, dtype=torch.float32)",
+        "advantages.detach().to(device)",
+        ("tests/test_dtypes.py",),
+        "float64 advantages promote the ranked δ² to float64: m2po_loss on float64 crashes (the H200 check's error)",
+    ),
+    # A training step's correction and statistics: no host sync of their own (tests/test_step_host_syncs.py).
+    Mutation(
+        "row_ages_by_bincount",
+        "trl_async/algorithms/offpolicy.py",
+        "    return counts.index_add_(0, ages, torch.ones_like(ages, dtype=torch.float64))",
+        "    return torch.bincount(ages, minlength=max_age + 2).to(torch.float64)",
+        (STEP_SYNC_TEST,),
+        "row ages counted with bincount, which reads the largest age on the host: a sync per micro-step",
+    ),
+    Mutation(
+        "token_ages_by_boolean_index",
+        "trl_async/trainers/engine.py",
+        'token_ages = torch.where(mask, self.state.global_step - fields["rollout_token_versions"], 0).double()',
+        'token_ages = (self.state.global_step - fields["rollout_token_versions"])[mask].double()',
+        (STEP_SYNC_TEST,),
+        "token ages selected with a boolean index (nonzero): a sync per micro-step, same sums",
+    ),
+    Mutation(
+        "m2po_all_masked_flag_read_per_micro_batch",
+        "trl_async/trainers/engine.py",
+        '        self._statistics[mode].add("m2po", stats["sums"].detach().to(torch.float64))\n',
+        '        self._statistics[mode].add("m2po", stats["sums"].detach().to(torch.float64))\n'
+        '        if stats["sums"][-1] > 0:\n            logger.warning("M2PO masked every token of a micro-batch")\n',
+        (STEP_SYNC_TEST,),
+        "the all-masked flag is read per micro-batch to warn: a second sync in every M2PO micro-step",
+    ),
+    Mutation(
+        "m2po_all_masked_warning_dropped",
+        "trl_async/trainers/engine.py",
+        "if all_masked and self.accelerator.is_main_process:",
+        "if False:",
+        ("tests/test_step_host_syncs.py::test_a_micro_batch_m2po_masked_whole_is_warned_about_at_log_time",),
+        "a micro-batch M2PO masked whole is counted but never warned about",
+    ),
+    Mutation(
+        "window_numbers_copied_blocking",
+        "trl_async/trainers/statistics.py",
+        "    return host.to(device, non_blocking=True)",
+        "    return host.to(device)",
+        ("tests/test_step_host_syncs.py::test_a_logging_step_reads_the_window_once",),
+        "host numbers reach the statistics window by a blocking copy: a sync for each",
+    ),
+    # The counter itself must be able to fail.
+    Mutation(
+        "sync_counter_blind_to_nonzero",
+        "tests/support/host_syncs.py",
+        '    aten.nonzero.default: "nonzero (its output size depends on the data)",\n',
+        "",
+        ("tests/test_host_syncs.py",),
+        "the counter misses nonzero (torch.where(c), argwhere)",
+    ),
+    Mutation(
+        "sync_counter_takes_everything_for_host_data",
+        "tests/support/host_syncs.py",
+        "    if first is not None and counter.is_host(first) and func is not aten.copy_.default",
+        "    if first is not None and func is not aten.copy_.default",
+        ("tests/test_host_syncs.py",),
+        "the counter treats every tensor as host memory: reads of device data count as free",
     ),
     # --------------------------------------------------------------------------------------- PPO
     Mutation(

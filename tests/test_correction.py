@@ -90,3 +90,49 @@ def test_m2po_correction_keeps_what_algorithm_1_keeps():
     assert selection.keep.tolist() == [[False, True, False, True]]  # the token with δ < 0 is not a candidate
     off = dict(zip(OFFPOLICY_SUM_KEYS, sums.tolist(), strict=True))
     assert off["masked_tokens"] == 2 and off["kept_tokens"] == 2
+
+
+# Per token: a ratio above every clip_max used here, one below every clip_min, and ratios well inside [0.1, 2.2].
+_RATIOS = [[5.0, 1.0, 0.01, 1.1], [0.5, 8.0, 1.15, 0.02], [0.9, 1.0, 0.3, 0.002]]
+_MASK = [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize(("clip_min", "clip_max"), [(0.1, 1.2), (None, 2.2), (0.1, 2.2), (0.0, 1.2), (0.0, 3.0)])
+def test_truncated_weights_on_a_bound_are_counted_as_clipped_in_their_own_dtype(clip_min, clip_max):
+    # float32 weights clamped to 1.2 hold float32(1.2), which a float64 1.2 never equals; and 0.0 is a bound too (a
+    # ratio that underflows to 0 is held there). TRL's clipped fraction must count each token clamped, as
+    # offpolicy/clipped_fraction does. Expected counts from the ratios, by hand.
+    delta = torch.tensor([[math.log(r) for r in row] for row in _RATIOS], dtype=torch.float32)
+    delta[2, 3] = -200.0  # exp underflows to exactly 0 in float32
+    mask = torch.tensor(_MASK, dtype=torch.float32)
+    behaviour = torch.zeros_like(delta)
+    settings = CorrectionSettings(corrects=True, mode="token_truncate", clip_min=clip_min, clip_max=clip_max)
+    result = behaviour_correction(delta, behaviour, mask, settings)
+    ratios = [r for row in _RATIOS for r in row]
+    ratios[11] = math.exp(-200.0)  # row 2, column 3
+    valid = [bool(v) for row in _MASK for v in row]
+    low = clip_min if clip_min is not None else -math.inf
+    held_at_zero = [r < 1e-30 and clip_min == 0.0 for r in ratios]  # exp(-200) is 0 in float32: on the bound 0.0
+    expected = sum(v and (r > clip_max or r < low or z) for r, v, z in zip(ratios, valid, held_at_zero, strict=True))
+    sums = dict(zip(WEIGHT_SUMS, result.weight_sums.tolist(), strict=True))
+    off = dict(zip(OFFPOLICY_SUM_KEYS, result.offpolicy_sums.tolist(), strict=True))
+    assert sums["changed"] == expected > 0
+    assert off["clipped_tokens"] == sums["changed"]  # sampling/.../clipped_fraction == offpolicy/clipped_fraction
+
+
+@pytest.mark.parametrize(("clip_min", "clip_max"), [(0.1, 1.2), (0.1, 2.2)])
+def test_truncated_sequence_weights_on_a_bound_are_counted_per_row(clip_min, clip_max):
+    # Σδ per row: log 5 + ... -> the row ratios are the products of _RATIOS' valid entries.
+    delta = torch.tensor([[math.log(r) for r in row] for row in _RATIOS], dtype=torch.float32)
+    mask = torch.tensor(_MASK, dtype=torch.float32)
+    settings = CorrectionSettings(corrects=True, mode="sequence_truncate", clip_min=clip_min, clip_max=clip_max)
+    result = behaviour_correction(delta, torch.zeros_like(delta), mask, settings)
+    rows = [
+        math.prod(r for r, v in zip(row, valid, strict=True) if v) for row, valid in zip(_RATIOS, _MASK, strict=True)
+    ]
+    expected = sum(r > clip_max or r < clip_min for r in rows)
+    sums = dict(zip(WEIGHT_SUMS, result.weight_sums.tolist(), strict=True))
+    assert sums["changed"] == expected > 0
+    off = dict(zip(OFFPOLICY_SUM_KEYS, result.offpolicy_sums.tolist(), strict=True))
+    clipped_rows_tokens = sum(sum(m) for r, m in zip(rows, _MASK, strict=True) if r > clip_max or r < clip_min)
+    assert off["clipped_tokens"] == clipped_rows_tokens

@@ -104,6 +104,15 @@ def test_global_selection_equals_single_process_over_the_concatenation(global_re
         assert [len(global_results[r][case]["keep"]) for r in range(WORLD)] == [2, 3]
 
 
+@pytest.mark.parametrize("case", range(N_CASES))
+def test_global_selection_makes_at_most_one_host_sync(global_results, case):
+    # Reading the header (it sizes the second all_gather) is the one sync of the accelerator branch, on every rank
+    # (the worker counts them with tests/support/host_syncs.py).
+    for rank in range(WORLD):
+        count, report = global_results[rank][case]["host_syncs_accelerator_branch"]
+        assert count <= 1, f"rank {rank}:\n{report}"
+
+
 def test_global_selection_differs_from_per_rank_selection(global_results):
     # The point of the scope: selecting per rank would give another mask on these cases.
     differs = 0

@@ -4,7 +4,8 @@
 
 Loads the package trl_async/algorithms/m2po/ and the cases by path (trl_async's __init__ imports TRL, which takes long
 on a busy machine and is not needed here), joins a gloo process group through INIT_FILE, runs ``m2po_select_global``
-on its part of every case, and saves what it got to OUT_DIR/rank<RANK>.pt.
+on its part of every case (also on the accelerator branch, its host syncs counted by tests/support/host_syncs.py), and
+saves what it got to OUT_DIR/rank<RANK>.pt.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _load(name: str, path: Path):
 def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     losses = _load("m2po_losses_under_test", HERE.parents[1] / "trl_async" / "algorithms" / "m2po")
     cases = _load("m2po_global_cases", HERE / "m2po_global_cases.py")
+    host_syncs = _load("host_syncs", HERE.parent / "support" / "host_syncs.py")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -52,10 +54,12 @@ def main(rank: int, world: int, init_file: str, out_dir: str) -> None:
                     None if s.clip_log_high is None else (s.clip_log_low.item(), s.clip_log_high.item()) for s in sels
                 ],
             }
-            # The accelerator branch (sizes from the header, nonzero_static), run on CPU.
-            sel_acc = losses.m2po_select_global(
-                delta, mask, tau, adv, rule, clip_floor_low=low, clip_floor_high=high, host_memory=False
-            )
+            # The accelerator branch (sizes from the header, nonzero_static), run on CPU, its host syncs counted.
+            with host_syncs.count_host_syncs() as syncs:
+                sel_acc = losses.m2po_select_global(
+                    delta, mask, tau, adv, rule, clip_floor_low=low, clip_floor_high=high, host_memory=False
+                )
+            record["host_syncs_accelerator_branch"] = (syncs.count, syncs.report())
             record["keep_accelerator_branch"] = [
                 s.keep.clone() for s in (sel_acc if isinstance(sel_acc, list) else [sel_acc])
             ]

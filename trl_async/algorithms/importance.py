@@ -63,6 +63,18 @@ def truncated_importance_weights(
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
+def weights_on_a_bound(weights: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """Where a truncated weight (truncate modes) sits on a bound, i.e. was clamped (a ratio exactly on a bound has
+    probability zero). Compared in the weights' own dtype, as `torch.clamp` set them: weights upcast first would miss
+    bounds such as 1.2 (float32(1.2) != 1.2). A bound of 0.0 is a bound. The bounds stay Python numbers (a tensor of
+    them would be a host-to-device copy, a sync on an accelerator)."""
+    on_bound = torch.zeros_like(weights, dtype=torch.bool)
+    for bound in (clip_min, clip_max):
+        if bound is not None:
+            on_bound |= weights == bound
+    return on_bound
+
+
 def fold_into_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Advantages (B,) or (B, T) times non-negative weights (B, 1) or (B, T)."""
     if advantages.dim() == 1:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .importance import weights_on_a_bound
+
 OFFPOLICY_SUM_KEYS = (
     "tokens",  # valid tokens
     "delta_sq",  # Σ δ² over valid tokens
@@ -143,8 +145,10 @@ def offpolicy_metrics(
 
 def row_age_counts(ages: Tensor, max_age: int) -> Tensor:
     """(max_age + 2,) float64 counts of `ages` (B,): bucket a for age a ≤ max_age, the last for anything older."""
-    ages = ages.detach().to(torch.long).clamp(min=0, max=max_age + 1)
-    return torch.bincount(ages, minlength=max_age + 2).to(torch.float64)
+    ages = ages.detach().to(torch.long).clamp(min=0, max=max_age + 1).reshape(-1)
+    # index_add_ into the known buckets, not bincount: bincount reads the largest value on the host (a device sync).
+    counts = torch.zeros(max_age + 2, dtype=torch.float64, device=ages.device)
+    return counts.index_add_(0, ages, torch.ones_like(ages, dtype=torch.float64))
 
 
 def log_histogram_to_trackers(callbacks, name: str, counts: dict[int, float], step: int) -> None:
@@ -198,8 +202,7 @@ def importance_weight_sums(
     sequence = mode.startswith("sequence")
     clipped = None
     if mode.endswith("truncate"):
-        bounds = torch.tensor([b for b in (clip_min, clip_max) if b is not None], dtype=full.dtype, device=full.device)
-        clipped = torch.isin(full, bounds) & valid
+        clipped = weights_on_a_bound(full, clip_min, clip_max) & valid
     after = None if sequence else torch.log(full.clamp(min=torch.finfo(full.dtype).tiny))
     masked_rows = (weights.reshape(-1) == 0) if sequence and mode.endswith("mask") else None
     return offpolicy_sums(delta, mask, kept=(full != 0) & valid, delta_after=after, clipped=clipped,

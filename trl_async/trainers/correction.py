@@ -32,7 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..algorithms.importance import fold_into_advantages, truncated_importance_weights
+from ..algorithms.importance import fold_into_advantages, truncated_importance_weights, weights_on_a_bound
 from ..algorithms.m2po import M2POSelection, m2po_select, m2po_select_global
 from ..algorithms.offpolicy import importance_weight_sums, m2po_offpolicy_sums, offpolicy_sums
 
@@ -107,12 +107,12 @@ def weight_figures(weights: Tensor, mask: Tensor, settings: CorrectionSettings) 
     has probability zero)."""
     mask = mask.bool()
     counted = mask.any(dim=1, keepdim=True) if weights.size(1) == 1 else mask
-    weights = weights.detach().to(torch.float64)
+    weights = weights.detach()
     if settings.mode.endswith("mask"):
         changed = weights == 0
     else:
-        bounds = [b for b in (settings.clip_min, settings.clip_max) if b]
-        changed = torch.isin(weights, torch.tensor(bounds, dtype=weights.dtype, device=weights.device))
+        changed = weights_on_a_bound(weights, settings.clip_min, settings.clip_max)  # in their own dtype
+    weights = weights.to(torch.float64)
     sums = torch.stack(
         [
             torch.where(counted, weights, 0.0).sum(),

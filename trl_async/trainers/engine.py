@@ -523,15 +523,9 @@ class AsyncRolloutMixin(ModelCardMixin):
     # --------------------------------------------------------------------------------------------- figures
     def _record_m2po_stats(self, mode: str, stats) -> None:
         """Adds one micro-batch's M2PO sums to the logging window (token-weighted over the window and every rank when
-        logged), and warns when M2PO masked every token of it."""
-        sums = stats["sums"].detach().to(torch.float64)
-        self._statistics[mode].add("m2po", sums)
-        if sums[-1] > 0:
-            logger.warning(
-                "M2PO masked every token of a micro-batch (its smallest δ² exceeds m2po_threshold=%s): it contributes "
-                "no gradient. Frequent occurrences mean the rollouts are far off-policy; lower max_staleness.",
-                self.args.m2po_threshold,
-            )
+        logged). A micro-batch that kept no token is counted there and warned about when the window is logged
+        (`_log_statistics`): reading the flag here would be a host sync per micro-batch."""
+        self._statistics[mode].add("m2po", stats["sums"].detach().to(torch.float64))
 
     def _record_offpolicy(self, mode: str, sums: torch.Tensor) -> None:
         """One batch's `offpolicy_sums` (see `algorithms.offpolicy`) and its effective sample size, into the window."""
@@ -553,8 +547,9 @@ class AsyncRolloutMixin(ModelCardMixin):
         statistics = self._statistics["train"]
         statistics.add("row_ages", row_age_counts(self.state.global_step - fields["rollout_versions"], max_age))
         mask = self._loss_mask(inputs).bool()
-        token_ages = (self.state.global_step - fields["rollout_token_versions"])[mask].double()
-        statistics.add("token_ages", torch.stack([token_ages.sum(), token_ages.new_tensor(token_ages.numel())]))
+        # Summed under the mask (not indexed by it: a boolean index is a host sync).
+        token_ages = torch.where(mask, self.state.global_step - fields["rollout_token_versions"], 0).double()
+        statistics.add("token_ages", torch.stack([token_ages.sum(), mask.sum().double()]))
 
     def _record_correction(self, mode: str, correction: BehaviourCorrection) -> None:
         """A batch's correction figures into the window: `offpolicy/*`, and TRL's `sampling/importance_sampling_ratio/*`
@@ -678,6 +673,12 @@ class AsyncRolloutMixin(ModelCardMixin):
         trackers that take one. Subclasses add theirs after `super()`."""
         for key, value in trainer_metrics(totals, self.accelerator.num_processes).items():
             self._metrics[mode][key] = [value]
+        all_masked = int(totals["m2po"][-1])  # micro-batches of the window (every rank) that kept no token
+        if all_masked and self.accelerator.is_main_process:
+            logger.warning("M2PO masked every token of %d micro-batch(es) in this logging window (their smallest δ² "
+                           "exceeds m2po_threshold=%s): they contribute no gradient. Frequent occurrences mean the "
+                           "rollouts are far off-policy; lower max_staleness.", all_masked,
+                           getattr(self.args, "m2po_threshold", None))  # fmt: skip
         counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
         if self.accelerator.is_main_process and counts:
             log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,

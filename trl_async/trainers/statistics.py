@@ -69,6 +69,17 @@ class StatisticsLayout:
         return values
 
 
+def _to_device(value: Tensor | float | Iterable[float], device) -> Tensor:
+    """`value` as float64 on `device`. Host numbers go through pinned memory on a GPU: a copy from pageable memory
+    would wait for the device's queue (a host sync)."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    host = torch.tensor(value, dtype=torch.float64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class WindowStatistics:
     """One mode's figures of the current logging window on this rank (see the module docstring)."""
 
@@ -78,9 +89,10 @@ class WindowStatistics:
         self.pending: Tensor | None = None  # every rank's windows, reduced and not yet taken (same layout)
 
     def add(self, name: str, value: Tensor | float | Iterable[float]) -> None:
-        """Combine `value` (the field's size) into the window by the field's reduction. No host sync."""
+        """Combine `value` (the field's size) into the window by the field's reduction. No host sync: a tensor is
+        combined where it is, host numbers are copied to the device without waiting (`_to_device`)."""
         field, where = self.layout.fields[name], self.layout.slices[name]
-        value = torch.as_tensor(value, dtype=torch.float64).to(self.device).detach().reshape(-1)
+        value = _to_device(value, self.device).reshape(-1)
         if value.numel() != field.size:
             raise ValueError(f"statistic {name!r} has {field.size} values, got {value.numel()}")
         current = self.values[where]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .selection import (
     M2POSelection,
+    _at,
     _device_sums,
     _empty_selection,
     _exp_safe_max,
@@ -94,7 +95,7 @@ def _authors_cut(sorted_asc: Tensor, tau: float) -> Tensor:
     capped = csum + torch.where(rest > 0, (v - _AUTHORS_EPS) * rest, 0.0)  # no inf * 0 at the last (+inf) value
     cond = capped >= tau * n - _AUTHORS_EPS
     k_star = torch.argmax(cond.to(torch.uint8))
-    return torch.where(k_star > 0, v[(k_star - 1).clamp(min=0)], 0.0)
+    return torch.where(k_star > 0, _at(v, (k_star - 1).clamp(min=0)), 0.0)
 
 
 def _authors_clipped(tok: _Tokens, cut2: Tensor, clip_floor_low, clip_floor_high):

@@ -31,6 +31,7 @@ from torch import Tensor
 from .authors_code import _select_authors
 from .selection import (
     M2POSelection,
+    _at,
     _check_floors,
     _check_rule,
     _device_sums,
@@ -361,7 +362,8 @@ def _drop_by_sort(
     keep = keep_flat.view(shape)
     if paper:
         k_f = k_star_t.to(torch.float64)
-        dropped_sum = rem[0] - rem[k_star_t]
+        rem_kept = _at(rem, k_star_t)  # rem_{k*}: the kept candidates' delta^2 sum (no host read of k*)
+        dropped_sum = rem[0] - rem_kept
         host_part = _host_vector([n_valid, n_tr, sum_valid, sum_tr], device)
         sums = torch.stack(
             [
@@ -372,7 +374,7 @@ def _drop_by_sort(
                 host_part[2],
                 sum_valid - dropped_sum,
                 host_part[3],
-                rem[k_star_t],
+                rem_kept,
                 (k_f == n_valid).to(torch.float64),
             ]
         )

@@ -89,6 +89,12 @@ def _scalar(value: float, device: torch.device, dtype: torch.dtype = torch.float
     return torch.full((), value, dtype=dtype, device=device)
 
 
+def _at(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` for a 0-dim integer tensor ``index``, on the device.  Python indexing with a 0-dim tensor
+    reads it on the host first (``item()``: a device sync); ``gather`` does not."""
+    return values.gather(0, index.reshape(1)).squeeze(0)
+
+
 def _rank_desc_then_index(values: Tensor, flat_index: Tensor) -> Tensor:
     """Permutation ordering ``values`` (float32, >= 0 or +inf) by value descending, then flat index ascending.
 
@@ -178,7 +184,8 @@ def _prepare(log_ratio: Tensor, mask: Tensor, advantages: Tensor | None, rule: s
         if rule != "all_tokens":
             raise ValueError(f"rule={rule!r} needs the advantages (its candidates are the trust-region tokens).")
         return _Tokens(delta, valid, dv, None, owned)
-    sign = _broadcast_advantages(advantages.detach().to(device), delta).sign()
+    # The sign in float32 too: a float64 advantage would promote r (and every delta^2 ranked from it) to float64.
+    sign = _broadcast_advantages(advantages.detach().to(device=device, dtype=torch.float32), delta).sign()
     return _Tokens(delta, valid, dv, torch.mul(dv, sign).clamp_(min=0.0), owned)
 
 
@@ -218,7 +225,8 @@ def _drop_count(sorted_vals: Tensor, n_cand: int, small_sum: Tensor | float, tau
     else:
         # Algorithm 1 stops at the latest when T is empty; the candidates left then (delta^2 <= tau) have mean
         # <= tau in exact arithmetic, so k = c always qualifies (float64 rounding must not say otherwise).
-        cond[-1] = True
+        # (Not `cond[-1] = True`: assigning a number to one element copies it from the host, a device sync.)
+        cond |= kk == c
     found = cond.any()
     k_star = torch.argmax(cond.to(torch.uint8))
     return k_star, found, rem
