@@ -152,7 +152,7 @@ class AsyncRolloutMixin(ModelCardMixin):
             # The generation process's imports, while TRL builds the trainer (and TRL's, for its multi-turn code).
             warm_up_generator_start(
                 agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))),
-                extra_modules=modeling_modules(model, args),
+                extra_modules=modeling_modules(model, args, given.get("peft_config")),
             )
         # Wrappers (DDP, compiled modules) -> the bare model (`_unwrap`); weak: a re-prepared model drops its wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -555,7 +555,8 @@ def materialize_from_stores(model: torch.nn.Module, frozen_store, trainable_stor
     parameter the trainer publishes under no name, or a published name the model lacks, is an error naming them."""
     frozen = frozen_store.buffers if frozen_store is not None else {}
     trainable = trainable_store.buffers
-    unknown = [name for name in [*frozen, *trainable] if name not in dict(model.named_parameters())]
+    names = {name for name, _ in model.named_parameters()}
+    unknown = [name for name in [*frozen, *trainable] if name not in names]
     if unknown:
         raise RuntimeError(
             f"The generator's model has no parameters named like the trainer's, e.g. {unknown[:3]}. The generator "
