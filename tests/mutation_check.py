@@ -1116,6 +1116,28 @@ MUTATIONS = [
 ]
 
 
+# ------------------------------------------------------------------------------------------- gpu_check (issues 39/40)
+GPU_CHECK_MUTATIONS = [
+    Mutation(
+        "sharded_control_is_the_tagged_version",
+        "tests/scripts/sharded_ranks.py",
+        "            other, weight_gap = control_version(version, self.whole_weights)\n",
+        "            other, weight_gap = version, 0.0\n",
+        ("tests/test_sharded.py::test_fsdp2_full_fine_tune_with_checkpoint_wrappers",),
+        "the FSDP2 check's control compares μ with the tagged version's own weights: a control that cannot fail",
+    ),
+    Mutation(
+        "sharded_control_first_other_version",
+        "tests/support/weights.py",
+        "        if best is None or gap > best[1]:\n",
+        "        if best is None:\n",
+        ("tests/test_sharded.py::test_the_control_compares_with_weights_other_than_the_tagged_ones",),
+        "the control takes the first other version, which on one GPU rank held the same weights as the tagged one",
+    ),
+]
+MUTATIONS += GPU_CHECK_MUTATIONS
+
+
 def copy_repository(destination: str) -> None:
     ignore = shutil.ignore_patterns(".git", "venv*", ".venv", "outputs", "__pycache__", ".pytest_cache", "*.egg-info",
                                     ".hypothesis", "results")  # fmt: skip
