@@ -63,6 +63,16 @@ def work_dir() -> str:
     return os.environ.get("GPU_CHECK_WORK") or os.path.join(ROOT, ".gpu_check_work")
 
 
+def no_gpu_here(section: str) -> bool:
+    """Without CUDA, a GPU run (not --cpu-smoke) has nothing to check: the section says so and stops."""
+    import torch
+
+    if torch.cuda.is_available() or mode() == "cpu-smoke":
+        return False
+    save(section, {"skipped": "no CUDA device", "ok": None})
+    return True
+
+
 def budget_s(default: float) -> float:
     return float(os.environ.get("SECTION_BUDGET_S", default))
 
@@ -426,6 +436,8 @@ def m2po_case(device: str, dtype):
 
 
 def m2po_cuda() -> None:
+    if no_gpu_here("m2po_cuda"):
+        return
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -463,6 +475,8 @@ def loss_timing() -> None:
     repeats, the contenders interleaved in a fresh random order every repeat (benchmarks/bench_losses.py's inputs)."""
     import random
 
+    if no_gpu_here("loss_timing"):
+        return
     import torch
 
     sys.path.insert(0, ROOT)
@@ -606,6 +620,8 @@ def sharded() -> None:
 def main_command() -> None:
     """README's main command, as a user runs it (from a scratch folder, so that its outputs/ lands there), shortened
     to 30 steps: it must exit 0 and write eval.json; its training time and accuracy before/after are kept."""
+    if no_gpu_here("main_command"):
+        return
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -719,6 +735,7 @@ def train_run(run: dict, shape: Shape, model_path: str, cap_s: float, has_rows_p
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
     from trl_async import AsyncGRPOTrainer
@@ -760,8 +777,15 @@ def train_run(run: dict, shape: Shape, model_path: str, cap_s: float, has_rows_p
                 self.rows_per_decode[state.global_step] = logs["async/rows_per_decode"]
             window = steady_window(self.ends, **self.window_args())
             n = len(self.ends)
-            if n >= rule["min_steps"] and window["steps"] >= rule["steady"] and n % rule["cycle"] == 0:
+            if n >= rule["min_steps"] and window["steps"] >= self.steady_needed() and n % rule["cycle"] == 0:
                 control.should_training_stop, self.stopped_by = True, "steady"
+
+        def steady_needed(self) -> int:
+            """The rule's steady steps, and 3 decode cycles of the rows per decode the run logs (its "auto")."""
+            if not self.rows_per_decode:
+                return rule["steady"]
+            cycle = math.ceil(max(self.rows_per_decode.values()) / shape.rows_per_step)
+            return max(rule["steady"], 3 * cycle)
 
         def window_args(self, first_batch_queued=None):
             if not is_async:
@@ -780,6 +804,7 @@ def train_run(run: dict, shape: Shape, model_path: str, cap_s: float, has_rows_p
                           processing_class=tokenizer)  # fmt: skip
     clock = Clock()
     trainer.add_callback(clock)
+    trainer.remove_callback(PrinterCallback)  # (every step's metrics printed: megabytes of log)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     result = {"trainer": run["trainer"], "build_s": time.time() - built, "rows_per_step": shape.rows_per_step,
@@ -815,7 +840,7 @@ def train_run(run: dict, shape: Shape, model_path: str, cap_s: float, has_rows_p
             result["timeline"] = None
     window = steady_window(clock.ends, **clock.window_args(first_batch_queued))
     result["steady"] = window
-    result["steady_state"] = window["steps"] >= rule["steady"] and steps >= rule["min_steps"]
+    result["steady_state"] = window["steps"] >= clock.steady_needed() and steps >= rule["min_steps"]
     if window["steps"]:
         result["rows_per_s_steady"] = window["steps"] * shape.rows_per_step / window["seconds"]
         result["first_generator_step"] = window["start_step"] if is_async else None
@@ -824,7 +849,7 @@ def train_run(run: dict, shape: Shape, model_path: str, cap_s: float, has_rows_p
             result["rows_per_decode_logged"] = statistics.median(logged) if logged else None
     if not result["steady_state"]:
         result["not_steady"] = window.get("reason") or (
-            f"{window['steps']} steady steps of {steps} (wanted {rule['steady']} of at least {rule['min_steps']}); "
+            f"{window['steps']} steady steps of {steps} (wanted {clock.steady_needed()} of at least {rule['min_steps']}); "
             f"stopped by {clock.stopped_by}"
         )
     del trainer, model
@@ -842,11 +867,9 @@ def throughput() -> None:
 
     deadline = time.time() + budget_s(300)
     reserve = 15.0  # for the last save and the teardown of a stopped run
-    on_gpu = torch.cuda.is_available()
-    current = mode()
-    if not on_gpu and current != "cpu-smoke":
-        save("throughput", {"skipped": "no CUDA device", "ok": None})
+    if no_gpu_here("throughput"):
         return
+    on_gpu = torch.cuda.is_available()
     shape = SHAPES["gpu" if on_gpu else "cpu-smoke"]
     costs = Costs(**COSTS["gpu" if on_gpu else "cpu-smoke"])
     has_field = ROWS_PER_DECODE_FIELD in {f.name for f in dataclasses.fields(AsyncGRPOConfig)}

@@ -100,7 +100,13 @@ if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
     $LINE_BUFFERED nvidia-smi dmon -s u -o DT -d 1 >"$OUT/dmon.txt" 2>&1 &
     DMON=$!
 fi
-stop_dmon() { [ -n "$DMON" ] && kill "$DMON" 2>/dev/null; DMON=""; }
+stop_dmon() {  # SIGINT first (dmon's own way out), then for good; its last lines are flushed (line-buffered)
+    [ -z "$DMON" ] && return
+    kill -INT "$DMON" 2>/dev/null && sleep 1
+    kill -KILL "$DMON" 2>/dev/null
+    wait "$DMON" 2>/dev/null
+    DMON=""
+}
 trap stop_dmon EXIT
 
 seconds_left() { echo $((BUDGET_S - ($(date +%s) - START))); }

@@ -143,6 +143,11 @@ def test_the_throughput_plan_sweeps_rows_per_decode_beside_trl_with_matched_step
         by_name["async/defaults"]["rows_per_decode"] is None
         and by_name["trl/defaults"]["steps_per_generation"] is None
     )
+    # each trains >= 40 steps and 20 at steady state; on whole cycles of its generate calls (TRL), over 3 decodes (async)
+    assert G.stop_after(by_name["trl/defaults"], shape) == {"min_steps": 40, "steady": 20, "cycle": 1}
+    assert G.stop_after(by_name["trl/steps_per_generation=8"], shape) == {"min_steps": 40, "steady": 24, "cycle": 8}
+    assert G.stop_after(by_name["async/rows_per_decode=256"], shape) == {"min_steps": 40, "steady": 24, "cycle": 1}
+    assert G.stop_after(by_name["async/rows_per_decode=64"], shape) == {"min_steps": 40, "steady": 20, "cycle": 1}
     # without AsyncGRPOConfig.max_rows_per_decode the sweep is skipped, saying why; TRL's own lever still runs
     runs, skipped = G.plan_runs(shape, has_rows_per_decode=False)
     assert [r["name"] for r in runs] == ["trl/defaults", "async/defaults", "trl/steps_per_generation=8",
@@ -208,6 +213,11 @@ def test_a_dtype_that_crashes_is_recorded_and_the_others_are_still_compared():
     assert results["float32"]["loss_abs_diff"] == 0.0 and results["float32"]["stats_equal"] is True
     assert results["bfloat16"]["loss_abs_diff"] == 0.5 and results["bfloat16"]["loss_rel_diff"] == 0.25
     assert G.dtype_verdicts(results) == {"float64": False, "float32": True}
+    # float32 judged within 1e-5 (relative loss, absolute gradient), float64 within 1e-9
+    close = {"loss_rel_diff": 1e-7, "grad_max_abs_diff": 1e-7, "stats_equal": True}
+    assert G.dtype_verdicts({"float32": close, "float64": close}) == {"float32": True, "float64": False}
+    assert G.dtype_verdicts({"float32": {**close, "grad_max_abs_diff": 1e-3}})["float32"] is False
+    assert G.dtype_verdicts({"float32": {**close, "stats_equal": False}})["float32"] is False
 
 
 def test_the_generation_start_up_is_split_phase_by_phase_from_the_timeline_marks():
@@ -221,6 +231,50 @@ def test_the_generation_start_up_is_split_phase_by_phase_from_the_timeline_marks
 
 
 # ------------------------------------------------------------------------------------------------ the whole check
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+# nvidia-smi as gpu_check.sh calls it: `dmon -s u -o DT -d 1` prints its header, then a sample every 0.2 s
+if [ "$1" = dmon ]; then
+    echo "#Date       Time        gpu     sm    mem    enc    dec    jpg    ofa"
+    echo "#YYYYMMDD   HH:MM:SS    Idx      %      %      %      %      %      %"
+    while true; do echo " $(date +%Y%m%d)   $(date +%H:%M:%S)      0     42      7      0      0      0      0"; sleep 0.2; done
+fi
+echo "Fake GPU, 1.0, 1 MiB"
+"""
+
+
+@pytest.mark.slow
+def test_the_launcher_keeps_to_its_budget_and_records_dmon_for_the_whole_check(tmp_path):
+    """gpu_check.sh in its GPU mode, on a machine that has no GPU but an `nvidia-smi` (a stand-in that prints dmon
+    samples): 25 s of budget run the env section, then every section that no longer fits is skipped and says so;
+    the sections that ran say they had no CUDA device; dmon ran for the whole check, was stopped, and merge read it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_BUDGET_S": "25",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "GPU_CHECK_COMMIT": "feedface",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    sections = summary["sections"]
+    assert summary["mode"] == "gpu" and summary["meta"]["commit"] == "feedface" and summary["meta"]["budget_s"] == 25
+    assert sections["env"]["rc"] == 0 and sections["env"]["nvidia_smi"] == "Fake GPU, 1.0, 1 MiB"
+    assert "out of the check's time budget (25s)" in sections["throughput"]["skipped"]
+    for name in ("m2po_cuda", "loss_timing", "reward_sync", "sharded", "main_command"):
+        section = sections[name]
+        assert section["skipped"] == "no CUDA device" or "out of the check's time budget" in section["skipped"], (
+            section
+        )
+        assert summary["ok"][name] is None
+    lines = (out / "dmon.txt").read_text().splitlines()
+    assert lines[0].startswith("#Date") and len(lines) > 2
+    assert summary["dmon"] == {"file": "dmon.txt", "samples": len(lines) - 2}
+    leftover = subprocess.run(["pgrep", "-f", str(bin_dir / "nvidia-smi")], capture_output=True, text=True)
+    assert leftover.stdout == "", "dmon is still running"
 
 
 @pytest.mark.slow
