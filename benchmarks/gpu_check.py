@@ -1,10 +1,13 @@
 """The Python side of `benchmarks/gpu_check.sh`, the prepared check that runs when a GPU is lent: one subcommand per
 section, each writing `GPU_CHECK_WORK/sections/<section>.json`, and `merge`, which writes the summary.
 
-    python benchmarks/gpu_check.py SECTION            # env m2po_cuda loss_timing reward_sync sharded main_command throughput
-    python benchmarks/gpu_check.py plan [--cpu-smoke] [--no-rows-per-decode]   # the throughput runs, in order, with
-                                                                  # the seconds each is expected to take
-    python benchmarks/gpu_check.py merge --out DIR [--dmon FILE] [--seconds S]  # DIR/summary.json, summary.md, ...
+    python benchmarks/gpu_check.py SECTION       # one of the sections below (gpu_check.sh runs them in order)
+    python benchmarks/gpu_check.py plan [--cpu-smoke] [--no-rows-per-decode]   # the throughput runs, in order,
+                                                 # with the seconds each is expected to take
+    python benchmarks/gpu_check.py merge --out DIR [--dmon FILE] [--seconds S]   # DIR/summary.json, summary.md
+
+Sections: env, m2po_cuda, loss_timing, reward_sync, sharded, main_command, throughput (gpu_check.sh's header says
+what each checks, and its time limit).
 
 gpu_check.sh sets GPU_CHECK_WORK (a scratch folder), GPU_CHECK_MODE (`gpu` or `cpu-smoke`) and, per section,
 SECTION_BUDGET_S (the seconds the section may use; the script kills it 10 s later). The helpers before the sections

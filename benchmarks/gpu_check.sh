@@ -43,8 +43,8 @@
 #
 # Output in $OUT (default /tmp/gpu_check), 5 files (a device run brings back at most 8): summary.json and summary.md
 # (one table per section), gpu_check.log (every section's output), dmon.txt (`nvidia-smi dmon -s u -o DT`, every
-# second, the whole check) and timelines.tar.gz (the runs' timelines: `python -m trl_async.timeline FILE`). The device's
-# copy of the tree has no .git: set GPU_CHECK_COMMIT to the commit it is. To keep the figures here:
+# second, the whole check) and timelines.tar.gz (the runs' timelines: `python -m trl_async.timeline FILE`). The
+# device's copy of the tree has no .git: set GPU_CHECK_COMMIT to the commit it is. To keep the figures here:
 # `cp $OUT/summary.json benchmarks/results/gpu_check_summary.json && python benchmarks/run_all.py --render-only`.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -143,7 +143,7 @@ def test_the_throughput_plan_sweeps_rows_per_decode_beside_trl_with_matched_step
         by_name["async/defaults"]["rows_per_decode"] is None
         and by_name["trl/defaults"]["steps_per_generation"] is None
     )
-    # each trains >= 40 steps and 20 at steady state; on whole cycles of its generate calls (TRL), over 3 decodes (async)
+    # each trains >= 40 steps and 20 at steady state: on whole cycles of its generate calls (TRL), 3 decodes (async)
     assert G.stop_after(by_name["trl/defaults"], shape) == {"min_steps": 40, "steady": 20, "cycle": 1}
     assert G.stop_after(by_name["trl/steps_per_generation=8"], shape) == {"min_steps": 40, "steady": 24, "cycle": 8}
     assert G.stop_after(by_name["async/rows_per_decode=256"], shape) == {"min_steps": 40, "steady": 24, "cycle": 1}

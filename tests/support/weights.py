@@ -14,8 +14,8 @@ def read_copy(store: SharedWeightStore, timeout: float = 300.0) -> tuple[dict[st
 
 
 def control_version(tagged: int, weights: dict[int, dict[str, torch.Tensor]]) -> tuple[int, float]:
-    """The control of a μ check: among the kept versions other than `tagged`, the one whose weights differ most from the
-    tagged version's (the largest absolute difference over every tensor), and that difference.
+    """The control of a μ check: among the kept versions other than `tagged`, the one whose weights differ most from
+    the tagged version's (the largest absolute difference over every tensor), and that difference.
 
     The first other version is not enough: a step that does not move the policy (every advantage zero, or a weight
     update too small to see) leaves the next version equal to the last, and a "control" on equal weights would
