@@ -44,7 +44,8 @@
 # Output in $OUT (default /tmp/gpu_check), 5 files (a device run brings back at most 8): summary.json and summary.md
 # (one table per section), gpu_check.log (every section's output), dmon.txt (`nvidia-smi dmon -s u -o DT`, every
 # second, the whole check) and timelines.tar.gz (the runs' timelines: `python -m trl_async.timeline FILE`). The
-# device's copy of the tree has no .git: set GPU_CHECK_COMMIT to the commit it is. To keep the figures here:
+# device's copy of the tree has no .git: set GPU_CHECK_COMMIT to the commit it is (GPU_CHECK_KEEP_WORK=1 keeps the
+# scratch folder). To keep the figures here:
 # `cp $OUT/summary.json benchmarks/results/gpu_check_summary.json && python benchmarks/run_all.py --render-only`.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -107,7 +108,11 @@ stop_dmon() {  # SIGINT first (dmon's own way out), then for good; its last line
     wait "$DMON" 2>/dev/null
     DMON=""
 }
-trap stop_dmon EXIT
+finish() {  # dmon stopped; the scratch folder (runs, the stand-in's weights) removed unless GPU_CHECK_KEEP_WORK=1
+    stop_dmon
+    [ "${GPU_CHECK_KEEP_WORK:-0}" = 1 ] || rm -rf "$WORK"
+}
+trap finish EXIT
 
 seconds_left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
