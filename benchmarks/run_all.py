@@ -64,6 +64,10 @@ class Earlier:
 
     files: tuple[str, ...]
     command: str
+    # How its section introduces it (default: made before run_all existed, on the 2-core machine), and the mark of its
+    # rows in the results table (the legend below the table explains each mark it uses).
+    description: str | None = None
+    mark: str = "earlier"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +440,24 @@ REGISTRY: list[Benchmark] = [
         options={"regime": "free", "pictures": ("bench_async_reward_vs_time_free_vllm.png",)},
     ),
     Benchmark(
+        "gpu_check",
+        "One GPU: steady-state throughput against TRL, rows per decode, and the CUDA checks",
+        "gpu_check_summary.json",
+        # Needs a lent GPU, so no mode of run_all runs it: `bash benchmarks/gpu_check.sh` there, then
+        # `cp $OUT/summary.json benchmarks/results/gpu_check_summary.json` here, and `run_all.py --render-only`.
+        {},
+        R.render_gpu_check,
+        R.summary_gpu_check,
+        earlier=Earlier(
+            ("earlier/gpu_check_2026-12-04.json",),
+            "`GPU_CHECK_BUDGET_S=380 bash benchmarks/gpu_check.sh`",
+            description="the first GPU run's summary (2026-12-04, one H200, code at `3727460`: before issues 39 and "
+            "40), made by `GPU_CHECK_BUDGET_S=380 bash benchmarks/gpu_check.sh` as it was then. The current check "
+            "(`bash benchmarks/gpu_check.sh` on a lent GPU, see its header) has not run yet.",
+            mark="previous code",
+        ),
+    ),
+    Benchmark(
         "vllm_backends",
         "The vLLM and hf generation backends, one batch at a time",
         "bench_vllm_backends.json",
@@ -625,6 +647,8 @@ def provenance(loaded: Loaded, doc_dir: str) -> str:
         return f"_Not measured yet._ Command: {runs or '(none registered)'}."
     files = " + ".join(section.link(f) for f in section.files)
     if loaded.status == "earlier":
+        if bench.earlier.description:
+            return f"_Earlier measurement, not rerun yet_: {files}, {bench.earlier.description}"
         return (
             f"_Earlier measurement, not rerun by run_all yet_: {files}, made before run_all existed by "
             f"{bench.earlier.command} on a 2-core development machine that other work shared. Indicative only."
@@ -648,9 +672,9 @@ def provenance(loaded: Loaded, doc_dir: str) -> str:
 
 
 def status_mark(loaded: Loaded) -> str:
-    return {"run_all": (loaded.stamp or {}).get("mode", ""), "unstamped": "", "earlier": "earlier"}.get(
-        loaded.status, ""
-    )
+    if loaded.status == "earlier":
+        return loaded.bench.earlier.mark
+    return {"run_all": (loaded.stamp or {}).get("mode", ""), "unstamped": ""}.get(loaded.status, "")
 
 
 def results_table(loaded: list[Loaded], doc_dir: str) -> str:
@@ -673,6 +697,8 @@ def results_table(loaded: list[Loaded], doc_dir: str) -> str:
         "other work shared, to be replaced by a rerun",
         "quick": "_quick_: fewer pairs than the full run",
         "full": "_full_: `benchmarks/run_all.py`'s full run",
+        "previous code": "_previous code_: the GPU check's first run (2026-12-04), on the code before issues 39 and "
+        "40; the GPU rows of this code are not measured yet",
     }
     note = "Paired ratios: median [min, max] over pairs (or repeats) run back to back; ± is the standard error of the mean"
     explained = "".join(f"; {text}" for mark, text in legend.items() if mark in marks)

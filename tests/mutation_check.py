@@ -1423,6 +1423,123 @@ MUTATIONS = [
 ]
 
 
+# ------------------------------------------------------------------------------------------- gpu_check (issues 39/40)
+GPU_CHECK_TEST = "tests/test_gpu_check.py"
+GPU_CHECK_MUTATIONS = [
+    Mutation(
+        "sharded_control_is_the_tagged_version",
+        "tests/scripts/sharded_ranks.py",
+        "            other, weight_gap = control_version(version, self.whole_weights)\n",
+        "            other, weight_gap = version, 0.0\n",
+        ("tests/test_sharded.py::test_fsdp2_full_fine_tune_with_checkpoint_wrappers",),
+        "the FSDP2 check's control compares μ with the tagged version's own weights: a control that cannot fail",
+    ),
+    Mutation(
+        "sharded_control_first_other_version",
+        "tests/support/weights.py",
+        "        if best is None or gap > best[1]:\n",
+        "        if best is None:\n",
+        ("tests/test_sharded.py::test_the_control_compares_with_weights_other_than_the_tagged_ones",),
+        "the control takes the first other version, which on one GPU rank held the same weights as the tagged one",
+    ),
+    Mutation(
+        "steady_clock_from_the_first_step",
+        "benchmarks/gpu_check.py",
+        "        start = (max(made) if made else 0) + 1\n",
+        "        start = 1\n",
+        (
+            f"{GPU_CHECK_TEST}::test_the_async_clock_starts_after_the_last_step_trained_on_a_batch_the_trainer_made_itself",
+        ),
+        "an async run's steady-state clock starts with its first step, on batches the trainer made itself",
+    ),
+    Mutation(
+        "steady_clock_after_the_first_generator_step_only",
+        "benchmarks/gpu_check.py",
+        "        start = (max(made) if made else 0) + 1\n",
+        "        start = (min(made) if made else 0) + 1\n",
+        (
+            f"{GPU_CHECK_TEST}::test_the_async_clock_starts_after_the_last_step_trained_on_a_batch_the_trainer_made_itself",
+        ),
+        "the clock starts after the first trainer-made step, though the trainer made another batch later",
+    ),
+    Mutation(
+        "steady_clock_before_the_first_batch_queued",
+        "benchmarks/gpu_check.py",
+        "            while start <= n and step_ends[start - 1] < first_batch_queued:\n",
+        "            while False:\n",
+        (f"{GPU_CHECK_TEST}::test_the_async_clock_never_starts_before_the_generator_queued_its_first_batch",),
+        "the steady-state clock may start before the generation process queued its first batch",
+    ),
+    Mutation(
+        "sync_clock_off_the_generation_cycle",
+        "benchmarks/gpu_check.py",
+        "        start = max(1, math.ceil(warmup_steps / cycle) * cycle)\n",
+        "        start = max(1, warmup_steps)\n",
+        (f"{GPU_CHECK_TEST}::test_a_synchronous_clock_starts_after_its_warm_up_on_whole_generation_cycles",),
+        "TRL's clock with steps_per_generation > 1 starts mid-cycle, counting a generate call it did not time",
+    ),
+    Mutation(
+        "sm_utilisation_of_the_whole_check",
+        "benchmarks/gpu_check.py",
+        "if g == gpu and sm is not None and start - 1 <= t <= end + 1]",
+        "if g == gpu and sm is not None]",
+        (f"{GPU_CHECK_TEST}::test_sm_utilisation_is_the_median_of_the_dmon_samples_inside_the_window",),
+        "a run's SM utilisation is the median over the whole dmon record, not over its own window",
+    ),
+    Mutation(
+        "a_crashing_dtype_stops_the_comparison",
+        "benchmarks/gpu_check.py",
+        '            results[name] = {"error": f"{type(error).__name__}: {error}"[:500]}\n',
+        "            raise\n",
+        (f"{GPU_CHECK_TEST}::test_a_dtype_that_crashes_is_recorded_and_the_others_are_still_compared",),
+        "the CPU-vs-CUDA comparison dies on the first dtype that crashes (float64 did), comparing nothing",
+    ),
+    Mutation(
+        "rows_per_decode_sweep_without_the_field",
+        "benchmarks/gpu_check.py",
+        "        if has_rows_per_decode:\n",
+        "        if True:\n",
+        (
+            f"{GPU_CHECK_TEST}::test_the_throughput_plan_sweeps_rows_per_decode_beside_trl_with_matched_steps_per_generation",
+        ),
+        "the sweep is planned on a checkout whose AsyncGRPOConfig has no max_rows_per_decode (each run would crash)",
+    ),
+    Mutation(
+        "trl_steps_per_generation_not_set",
+        "benchmarks/gpu_check.py",
+        '    return GRPOConfig(**common, **({} if steps is None else {"steps_per_generation": steps}))\n',
+        "    return GRPOConfig(**common)\n",
+        (f"{GPU_CHECK_TEST}::test_each_run_trains_with_the_arguments_its_name_says",),
+        "TRL's matched runs train at TRL's defaults: one generate call of 32 rows a step whatever their name says",
+    ),
+    Mutation(
+        "run_past_the_time_left",
+        "benchmarks/gpu_check.py",
+        "    if estimate > left:\n",
+        "    if False:\n",
+        (f"{GPU_CHECK_TEST}::test_a_run_that_does_not_fit_the_time_left_is_skipped_and_one_that_fits_gets_a_cap",),
+        "a run that does not fit the section's time left starts anyway, to be killed by the section's limit",
+    ),
+    Mutation(
+        "gpu_pair_with_a_run_short_of_steady_state",
+        "benchmarks/render_results.py",
+        'if all(r.get("steady_state") and r.get("rows_per_s_steady") for r in (ra, rb)):',
+        'if all(r.get("rows_per_s_steady") for r in (ra, rb)):',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "RESULTS.md pairs a GPU run that never reached its steady state (stopped at its cap) with TRL",
+    ),
+    Mutation(
+        "gpu_rows_per_decode_paired_with_trl_defaults",
+        "benchmarks/render_results.py",
+        '            "trl/defaults" if k == 1 else f"trl/steps_per_generation={k}"',
+        '            "trl/defaults"',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "a rows-per-decode run is compared with TRL's defaults where the table says 'same steps_per_generation'",
+    ),
+]
+MUTATIONS += GPU_CHECK_MUTATIONS
+
+
 def copy_repository(destination: str) -> None:
     ignore = shutil.ignore_patterns(".git", "venv*", ".venv", "outputs", "__pycache__", ".pytest_cache", "*.egg-info",
                                     ".hypothesis", "results")  # fmt: skip

@@ -109,6 +109,59 @@ def real_size_run(mode, pair, step_seconds, limit=None):
     return run
 
 
+def gpu_run(trainer, steady, end_to_end, *, sm=None, steady_state=True, **extra):
+    """One throughput run of gpu_check's summary (benchmarks/gpu_check.py `train_run`)."""
+    return {"trainer": trainer, "rows_per_step": 32, "steps": 40, "steady_state": steady_state,
+            "steady": {"start_step": 3, "end_step": 40, "steps": 37, "seconds": 60.0, "start": 0.0, "end": 60.0},
+            "rows_per_s_steady": steady, "rows_per_s_end_to_end": end_to_end,
+            "sm_percent_steady": {"median": sm, "samples": 60}, **extra}  # fmt: skip
+
+
+def gpu_check_summary():
+    """gpu_check.sh's summary.json on one GPU (format 2), its figures chosen by hand."""
+    runs = {
+        "trl/defaults": gpu_run("trl", 20.0, 16.0, sm=20.0, steps_per_generation=1),
+        "async/defaults": gpu_run("async", 50.0, 32.0, sm=60.0, max_staleness=8, rows_per_decode_logged=256,
+                                  generator_start="cold",
+                                  startup={"phases_s": {"spawn -> imports done": 3.0}, "ready_after_spawn_s": 8.0,
+                                           "first_batch_after_spawn_s": 9.5}),
+        "async/rows_per_decode=256": {"same_as": "async/defaults", "note": "'auto' chose 256 rows per decode"},
+        "trl/steps_per_generation=8": gpu_run("trl", 40.0, 30.0, sm=35.0, steps_per_generation=8),
+        "async/rows_per_decode=128": gpu_run("async", 30.0, 20.0, steady_state=False, not_steady="stopped by cap"),
+    }  # fmt: skip
+    sections = {
+        "env": {"rc": 0, "seconds": 4, "limit_s": 30, "gpus": ["NVIDIA H200"], "cuda": "13.0",
+                "versions": {"torch": "2.11.0", "transformers": "5.17.0", "trl": "1.16.0"}},
+        "loss_timing": {"rc": 0, "seconds": 12, "limit_s": 45, "ok": True, "device": "NVIDIA H200",
+                        "clock": "CUDA events", "repeats": 50, "warmup": 10,
+                        "reference_page": {"gpu": "RTX 4070 Laptop", "shape": "64x256", "grpo_ms": 2.03, "m2po_ms": 5.98},
+                        "cases": [{"shape": "64x256", "regime": "a", "regime_name": "near on-policy",
+                                   "median_ms": {"dapo": 0.25, "grpo": 0.3, "m2po": 0.5},
+                                   "paired_ratio_to_dapo": {"dapo": 1.0, "grpo": 1.2, "m2po": 2.0}}]},
+        "m2po_cuda": {"rc": 0, "seconds": 20, "limit_s": 150, "ok": True,
+                      "pytest": {"command": "pytest tests/test_losses.py -k cuda", "rc": 0, "summary": "12 passed"}},
+        "reward_sync": {"rc": 0, "seconds": 20, "limit_s": 150, "ok": True, "ran": True, "math": "no host sync",
+                        "pattern": "no host sync", "pattern_per_row": "no host sync", "format": "no host sync",
+                        "length": "no host sync", "math_matches_cpu": True},
+        "sharded": {"rc": 0, "seconds": 50, "limit_s": 150, "ok": True,
+                    "runs": {"fsdp2/full/x1": {"checks": "passed", "mu_gaps": [[3e-6, 8e-6]], "control_gaps": [[9.5, 12.0]]}}},
+        "main_command": {"rc": 0, "seconds": 60, "limit_s": 150, "ok": True, "wall_s": 58.0, "train_runtime_s": 21.5,
+                         "command": "accelerate launch recipes/qwen_math.py --max_steps 30", "accuracy_before": 0.1,
+                         "accuracy_after": 0.3, "eval_samples": 500, "beside": ["sharded"]},
+        "throughput": {"rc": 0, "seconds": 300, "limit_s": 360, "ok": False, "runs": runs,
+                       "shape": {"model": "standin", "rows_per_step": 32, "completion_length": 64, "min_steps": 40,
+                                 "min_steady_steps": 20, "sweep": [32, 64, 128, 256]},
+                       "model": {"parameters": 494_032_768, "dtype": "bfloat16"},
+                       "skipped": {"async/rows_per_decode=32": "out of the section's time: needs ~96 s, 20 s left"},
+                       # a stale copy of the pairs: the renderer must compute them from the runs
+                       "pairs": {"defaults": {"async": "async/defaults", "trl": "trl/defaults", "steady": 9.99}}},
+    }  # fmt: skip
+    return {"format": 2, "mode": "gpu", "sections": sections, "dmon": {"samples": 400},
+            "meta": {"command": "bash benchmarks/gpu_check.sh", "date": "2026-12-05T10:00:00+00:00",
+                     "commit": "0123456789abcdef", "machine": "NVIDIA H200, 580.159.04, 143771 MiB",
+                     "budget_s": 480, "seconds": 466}}  # fmt: skip
+
+
 FIXTURES = {
     # ratios 100/50 = 2.0 and 90/60 = 1.5: median 1.75 [1.50, 2.00]
     "main_job": main_job([(50.0, 100.0, 0.6, 0.5), (60.0, 90.0, 0.6, 0.5)], regime="same_cores"),
@@ -280,6 +333,7 @@ FIXTURES = {
             "step_0.5s": {"recording_fraction": 3e-5, "with_merges_fraction": 0.0010},
         },
     },
+    "gpu_check": gpu_check_summary(),
     "vllm_backends": {
         "settings": {"rows": 8, "max_new_tokens": 4, "threads": 1},
         "startup_s": {"hf": 1.0, "vllm": 9.0},
@@ -357,6 +411,16 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "1.00× [0.90, 1.10] over 2 pairs" in text  # before / after
     assert "**1.20× [1.10, 1.30] over 2 pairs** (limit 1.30×)" in text  # real size, step time per pair
     assert "≤ 0.12% (upper bound" in text  # timeline overhead: the larger share
+    # the GPU check: pairs from the runs (50 / 20, 50 / 40: 'auto' chose 256 rows, matched by TRL's 8 steps), never
+    # from a run that did not reach its steady state (128 rows per decode)
+    assert "**2.50×** (SM 60% / 20%)" in text
+    assert "`async/defaults` / `trl/defaults` | **2.50×** | 2.00×" in text
+    assert "256 rows per decode vs TRL, same steps_per_generation: `async/rows_per_decode=256` / " in text
+    assert "**1.25×** | 1.07×" in text
+    assert "128 rows per decode" not in text and "**not steady**" in text
+    assert "≥ 3× TRL's default rows/s: best 2.50×" in text and "not met" in text
+    assert "SM utilisation ≥ 50%: best 60% (`async/defaults`), met" in text
+    assert "generator ready ≤ 10 s after spawn: 8.0 s (`async/defaults`), met" in text
 
 
 def test_render_only_rewrites_only_the_readme_table(tmp_path):

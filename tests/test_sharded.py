@@ -67,9 +67,13 @@ def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "
         # Training moved the policy, so the check below can tell versions apart ...
         assert r["global_step"] == steps and r["initial_vs_final_max_diff"] > 1e-3
         assert len(r["mu_gaps"]) == steps and max(r["tagged_versions"]) >= 1
-        # ... and it does: another version's weights are far from μ, the tagged version's reproduce it.
-        # (Judged on the first 3 steps: over a long run the policy settles and later versions come close.)
-        assert r["control_gaps"] and min(r["control_gaps"][:3]) > 1e-2
+        # ... and it does: another version's weights are far from μ, the tagged version's reproduce it. Every batch
+        # has its control, on a version other than its tagged one whose weights differ from the tagged weights
+        # (`control_version`: on one rank a step can leave the weights as they were, so "the next version" may not).
+        assert len(r["control_gaps"]) == len(r["mu_gaps"]) == len(r["control_versions"])
+        assert all(c != t for c, t in zip(r["control_versions"], r["tagged_versions"], strict=True))
+        assert min(r["control_weight_gaps"]) > 1e-3, r["control_weight_gaps"]
+        assert min(r["control_gaps"]) > 1e-2, (r["control_gaps"], r["control_versions"], r["tagged_versions"])
         assert max(r["mu_gaps"]) < 1e-3, r["mu_gaps"]
         # The stores hold the whole final weights under the generator's names (a plain model's).
         stores = r["store_vs_final"]
@@ -86,6 +90,26 @@ def check_ranks(ranks: list[dict], sharding: str, variant: str, backend: str = "
             assert "frozen" not in stores
     # Every rank's generator got the same weights.
     assert all(r["store_checksum"] == ranks[0]["store_checksum"] for r in ranks)
+
+
+def test_the_control_compares_with_weights_other_than_the_tagged_ones():
+    """The μ check's control (`control_version`): for each tagged version, the kept version whose weights differ most
+    from it, never the tagged version itself, nor a version that kept the same weights. The case one GPU rank met:
+    the first step left the policy as it was (version 1 = version 0), then training moved it."""
+    from tests.support.weights import control_version
+
+    def weights(value: float) -> dict[str, torch.Tensor]:
+        return {"a.weight": torch.full((2, 3), value), "b.bias": torch.zeros(3)}
+
+    kept = {0: weights(1.0), 1: weights(1.0), 2: weights(1.5), 3: weights(0.25)}
+    assert control_version(0, kept) == (3, 0.75)  # not 1 (the same weights as 0)
+    assert control_version(1, kept) == (3, 0.75)
+    assert control_version(2, kept) == (3, 1.25)
+    assert control_version(3, kept) == (2, 1.25)
+    # two versions of equal weights and nothing else: the difference is 0, which check_ranks refuses
+    assert control_version(1, {0: weights(1.0), 1: weights(1.0)}) == (0, 0.0)
+    with pytest.raises(ValueError, match="no other version"):
+        control_version(0, {0: weights(1.0)})
 
 
 def test_fsdp2_full_fine_tune_with_checkpoint_wrappers(tmp_path):

@@ -27,7 +27,7 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from tests.support.weights import read_copy
+from tests.support.weights import control_version, read_copy
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rollout.gather import is_dtensor, is_zero3_parameter, model_sharding
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
@@ -84,18 +84,24 @@ class ForcedFSDP2OnCPU:
         assert self.accelerator.is_fsdp2
 
 
+TRACED_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_per_token_logps")
+
+
 class TracingTrainer(AsyncGRPOTrainer):
     """Records, for every batch that enters the loss, how far the generator's μ is from the log-probs of the same
     tokens under the trainer's whole weights of the batch's tagged version (and, as a control that the check can
-    fail, under the weights of another version)."""
+    fail, under the weights of another version: `compute_controls`, once training has kept every version)."""
 
     def __init__(self, *args, plain_base=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.plain_base = plain_base
         self.whole_weights: dict[int, dict] = {}
         self.mu_gaps: list[float] = []
-        self.control_gaps: list[float] = []
         self.tagged_versions: list[int] = []
+        self.traced_batches: list[dict] = []  # what `_mu_gap` reads of each batch, for the controls
+        self.control_gaps: list[float] = []
+        self.control_versions: list[int] = []
+        self.control_weight_gaps: list[float] = []  # how far each control's weights are from the tagged version's
         self.add_callback(_KeepWholeWeights(self))
         self._probe = None
 
@@ -137,10 +143,18 @@ class TracingTrainer(AsyncGRPOTrainer):
             assert int(inputs["rollout_versions"].max()) == version
             self.tagged_versions.append(version)
             self.mu_gaps.append(self._mu_gap(inputs, version))
-            others = [v for v in self.whole_weights if v != version]
-            if others:
-                self.control_gaps.append(self._mu_gap(inputs, max(others)))
+            self.traced_batches.append({k: inputs[k].detach().clone() for k in TRACED_INPUTS})
         return super()._compute_loss(model, inputs)
+
+    def compute_controls(self) -> None:
+        """After training, when every version's weights are kept: each traced batch's μ against the weights of the
+        version farthest from its tagged one (`control_version`). A control must be able to fail, so it never compares
+        with the tagged weights, nor with a version whose weights equal them."""
+        for inputs, version in zip(self.traced_batches, self.tagged_versions, strict=True):
+            other, weight_gap = control_version(version, self.whole_weights)
+            self.control_versions.append(other)
+            self.control_weight_gaps.append(weight_gap)
+            self.control_gaps.append(self._mu_gap(inputs, other))
 
 
 def main():
@@ -200,6 +214,7 @@ def main():
     rollout_close = trainer._rollout.close
     trainer._rollout.close = lambda: trainer._rollout.process.stop() if trainer._rollout.process else None
     trainer.train()
+    trainer.compute_controls()
     model = trainer.accelerator.unwrap_model(trainer.model)
     final = whole_state_dict(model)
     stores = {"trainable": trainer._rollout.trainable_store, "frozen": trainer._rollout.frozen_store}
@@ -230,6 +245,8 @@ def main():
         "whole_numel": sum(p.numel() for p in trainer._plain_model().parameters()),
         "mu_gaps": trainer.mu_gaps,
         "control_gaps": trainer.control_gaps,
+        "control_versions": trainer.control_versions,
+        "control_weight_gaps": trainer.control_weight_gaps,
         "tagged_versions": trainer.tagged_versions,
         "global_step": trainer.state.global_step,
         "store_vs_final": store_vs_final,
