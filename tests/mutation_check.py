@@ -368,9 +368,9 @@ MUTATIONS = [
     ),
     Mutation(
         "m2po_all_masked_warning_dropped",
-        "trl_async/trainers/engine.py",
-        "if all_masked and self.accelerator.is_main_process:",
-        "if False:",
+        "trl_async/trainers/statistics.py",
+        "    if all_masked:\n        logger.warning(",
+        "    if False:\n        logger.warning(",
         ("tests/test_step_host_syncs.py::test_a_micro_batch_m2po_masked_whole_is_warned_about_at_log_time",),
         "a micro-batch M2PO masked whole is counted but never warned about",
     ),

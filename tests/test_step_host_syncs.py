@@ -174,7 +174,7 @@ def test_a_micro_batch_m2po_masked_whole_is_warned_about_at_log_time(tmp_path, d
     trainer._compute_loss(trainer.model, dict(inputs))
     statistics = trainer._statistics["train"]
     statistics.reduce(lambda values: values)  # one rank: the gather is the identity
-    with caplog.at_level(logging.WARNING, logger="trl_async.trainers.engine"):
+    with caplog.at_level(logging.WARNING, logger="trl_async.trainers.statistics"):
         trainer._log_statistics("train", statistics.take())
     assert "M2PO masked every token of 1 micro-batch(es)" in caplog.text
     assert trainer._metrics["train"]["m2po/all_masked_batches"] == [1.0]

@@ -97,6 +97,7 @@ from .statistics import (
     record_completions,
     trainer_fields,
     trainer_metrics,
+    warn_of_m2po_masked_micro_batches,
 )
 
 logger = logging.getLogger(__name__)
@@ -150,10 +151,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         )
         if args.async_generation and args.generation_backend == "hf":
             # The generation process's imports, while TRL builds the trainer (and TRL's, for its multi-turn code).
-            warm_up_generator_start(
-                agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))),
-                extra_modules=modeling_modules(model, args, given.get("peft_config")),
-            )
+            warm_up_generator_start(agentic=bool(agentic_arguments(*(given.get(name) for name in AGENTIC_ARGUMENTS))),
+                                    extra_modules=modeling_modules(model, args, given.get("peft_config")))  # fmt: skip
         # Wrappers (DDP, compiled modules) -> the bare model (`_unwrap`); weak: a re-prepared model drops its wrapper.
         self._unwrapped_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         super().__init__(*bound.args[1:], **bound.kwargs)
@@ -673,12 +672,8 @@ class AsyncRolloutMixin(ModelCardMixin):
         trackers that take one. Subclasses add theirs after `super()`."""
         for key, value in trainer_metrics(totals, self.accelerator.num_processes).items():
             self._metrics[mode][key] = [value]
-        all_masked = int(totals["m2po"][-1])  # micro-batches of the window (every rank) that kept no token
-        if all_masked and self.accelerator.is_main_process:
-            logger.warning("M2PO masked every token of %d micro-batch(es) in this logging window (their smallest δ² "
-                           "exceeds m2po_threshold=%s): they contribute no gradient. Frequent occurrences mean the "
-                           "rollouts are far off-policy; lower max_staleness.", all_masked,
-                           getattr(self.args, "m2po_threshold", None))  # fmt: skip
+        if self.accelerator.is_main_process:
+            warn_of_m2po_masked_micro_batches(totals, getattr(self.args, "m2po_threshold", None))
         counts = {age: count for age, count in enumerate(totals["row_ages"].tolist()) if count}
         if self.accelerator.is_main_process and counts:
             log_histogram_to_trackers(self.callback_handler.callbacks, "offpolicy/row_age", counts,

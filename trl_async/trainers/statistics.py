@@ -22,6 +22,7 @@ fractions are taken when logged, so that they are token- or row-weighted over th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -34,6 +35,8 @@ from .correction import WEIGHT_SUMS
 
 SUM, MIN, MAX = "sum", "min", "max"
 _EMPTY = {SUM: 0.0, MIN: float("inf"), MAX: float("-inf")}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,18 @@ def trainer_metrics(totals: dict[str, Tensor], num_ranks: int) -> dict[str, floa
             out[name] = total / tokens
     out.update(_completion_metrics(totals))
     return out
+
+
+def warn_of_m2po_masked_micro_batches(totals: dict[str, Tensor], threshold) -> None:
+    """The window's micro-batches (every rank) in which M2PO kept no token: warned about once per log, from the
+    totals (reading the flag per micro-batch would be a host sync each)."""
+    all_masked = int(totals["m2po"][-1])
+    if all_masked:
+        logger.warning(
+            "M2PO masked every token of %d micro-batch(es) in this logging window (their smallest δ² exceeds "
+            "m2po_threshold=%s): they contribute no gradient. Frequent occurrences mean the rollouts are far "
+            "off-policy; lower max_staleness.", all_masked, threshold,
+        )  # fmt: skip
 
 
 def _async_metrics(total: dict[str, float], staleness_max: float, num_ranks: int) -> dict[str, float]:
