@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from trl_async.config.grpo import items_per_decode
+
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 sys.path.insert(0, RECIPE_DIR)
 import accuracy  # noqa: E402
@@ -81,7 +83,8 @@ def test_qwen_config_parses_to_the_real_setup():
     assert set(model_args.lora_target_modules) == QWEN_PROJECTIONS
     assert recipe.dataset == "openai/gsm8k" and recipe.eval_split == "test"
     assert recipe.reward == "tensor" and recipe.format_reward and args.reward_weights == [1.0, 0.2]
-    assert args.loss_type == "m2po" and args.max_staleness == 1 and args.async_generation
+    # M2PO's default bound: two generation batches per decode while the trainer trains on the previous two.
+    assert args.loss_type == "m2po" and args.max_staleness == 3 and args.async_generation
     assert args.learning_rate == 5e-5
     import yaml
 
@@ -109,7 +112,12 @@ def test_qwen_config_memory_estimate_matches_the_architecture():
     assert f"{kv_bytes_per_token:,} B" in text
     settings = yaml.safe_load(text)
     rows, completion = settings["per_device_train_batch_size"], settings["max_completion_length"]
-    generation_rows = rows * settings["steps_per_generation"]
+    # The generator decodes several generation batches per call (M2PO's default: 2): its rows per decode.
+    generation_rows = (
+        rows
+        * settings["steps_per_generation"]
+        * items_per_decode(qwen_math.parse_args(["--config", QWEN_CONFIG, "--bf16", "false"])[1])
+    )
     sequence = 320 + completion
     assert f"+ {completion} completion = {sequence}." in text
     figures = {
@@ -324,8 +332,9 @@ def test_ppo_config_runs_ppo_with_its_card_and_metrics(tmp_path):
     assert type(qwen_math.parse_args(["--trainer", "ppo", "--num_generations", "1"])[1]).__name__ == "AsyncPPOConfig"
     # The config's own completion length (32): at 16 tokens the tiny model never reaches an answer, every score is 0
     # and nothing trains.
+    # Seed 2: step 1's batch has a correct answer (with none, Var[R] = 0 and the explained variance is undefined).
     argv = ["--config", TINY_PPO_CONFIG, "--output_dir", str(tmp_path), *SHORT[:4], "--eval_max_samples", "8",
-            "--plot", "false"]  # fmt: skip
+            "--plot", "false", "--seed", "2"]  # fmt: skip
     trainer = qwen_math.main(argv)
     assert type(trainer).__name__ == "AsyncPPOTrainer" and trainer.state.global_step == 2
     assert (trainer.args.vf_coef, trainer.args.cliprange_value, trainer.args.kl_coef) == (0.1, 0.2, 0.05)
