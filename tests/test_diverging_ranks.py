@@ -261,6 +261,7 @@ DIVERGING_CASES = {
     "ppo": _source_differs,
     "m2po_global": _source_differs,
     "two_iterations": _source_differs,
+    "blocks": _age_differs,
 }
 
 

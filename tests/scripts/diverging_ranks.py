@@ -68,6 +68,9 @@ CASES = {
     "inflight": ({"inflight_weight_updates": True, "max_staleness": 2}, (8.0, 0.0), (0.0, 0.0)),
     "ppo": ({"trainer": "ppo"}, (8.0, 0.0), (0.0, 0.0)),
     "m2po_global": ({"loss_type": "m2po", "m2po_scope": "global"}, (8.0, 0.0), (0.0, 0.0)),
+    # Several generation batches per decode (3 of 8 rows, bound 5), rank 1's generator slow: the ranks' blocks arrive
+    # at different steps, and their batches' ages differ.
+    "blocks": ({"loss_type": "m2po", "max_rows_per_decode": 24}, (0.0, 0.3), (0.0, 0.0)),
     "two_iterations": ({"num_iterations": 2, "steps_per_generation": 2}, (8.0, 0.0), (0.0, 0.0)),
     # Two machines on one host (the test launches two single-process "machines"): both generators start alike.
     "two_machines": ({}, (0.0, 0.0), (0.0, 0.0)),
