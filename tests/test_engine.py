@@ -391,9 +391,12 @@ def test_ranks_sharing_a_group_never_sample_identical_completions(tokenizer):
         )  # fmt: skip
         producer = RolloutProducer(
             spec,
-            lambda ids, seed: generate_with_behaviour_logprobs(
-                model, ids, config, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", seed=seed
-            ),
+            lambda batches, ready=None: [
+                generate_with_behaviour_logprobs(
+                    model, b.prompt_ids, config, [tokenizer.eos_token_id], tokenizer.pad_token_id, "cpu", seed=b.seed
+                )
+                for b in batches
+            ],
         )
         batches[rank] = [producer.produce(i) for i in range(3)]
     for first, second in zip(batches[0], batches[1], strict=True):

@@ -269,11 +269,10 @@ def _generator_main(
         state_path = os.path.join(rollout_queue.spool_dir, "trainer_state.json")
         producer = RolloutProducer(
             spec,
-            backend.generate,
+            backend.generate_batches,
             trainer_state=_trainer_state_reader(state_path),
             heartbeat=control.beat,
             on_late=functools.partial(_stop_on_late_call, control),
-            generate_batches=backend.generate_batches,
         )
         producer.prepare_rewards_for_dataset()  # while the trainer produces the first batches itself
         backend.warm_up(producer.sample_prompt_ids)  # CUDA graphs captured before ready (the trainer is not waiting)

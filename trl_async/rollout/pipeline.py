@@ -314,18 +314,20 @@ class RolloutPipeline:
             config = generation_config_for_rollouts(spec.generation_config)
             device = next(model.parameters()).device
 
-            def generate(prompt_ids, seed):
+            def generate_batches(batches, ready=None):  # one batch at a time here: `produce`
                 was_training = model.training
                 model.eval()  # no dropout, and transformers keeps the KV cache on (gradient checkpointing is train-only)
                 try:
-                    return generate_with_behaviour_logprobs(
-                        model, prompt_ids, config, spec.eos_token_ids, spec.pad_token_id, device, seed=seed,
-                        heartbeat=self._open_queue_when_ready,
+                    out = generate_with_behaviour_logprobs(
+                        model, [ids for b in batches for ids in b.prompt_ids], config, spec.eos_token_ids,
+                        spec.pad_token_id, device, heartbeat=self._open_queue_when_ready, ready=ready,
+                        segments=[(len(b.prompt_ids), b.seed) for b in batches],
                     )  # fmt: skip
+                    return out.split([len(b.prompt_ids) for b in batches])
                 finally:
                     model.train(was_training)
 
-            self._local = RolloutProducer(spec, generate, trainer_state=lambda: self._local_trainer_state)
+            self._local = RolloutProducer(spec, generate_batches, trainer_state=lambda: self._local_trainer_state)
         payload = self._local.produce(self._next_index)
         return RolloutBatch(payload, version, last_use_version - version, from_trainer=True)
 

@@ -89,13 +89,10 @@ class RolloutProducer:
     With tools, environments or a `rollout_func` (`spec.agentic`) the completions are TRL's multi-turn ones
     (`rollout.agentic`); `heartbeat` and `on_late` are the generation process's (`tool_timeout`, `CallWatchdog`)."""
 
-    def __init__(
-        self, spec: GeneratorSpec, generate, trainer_state=None, heartbeat=None, on_late=None, generate_batches=None
-    ):
+    def __init__(self, spec: GeneratorSpec, generate_batches, trainer_state=None, heartbeat=None, on_late=None):
         self.spec = spec
-        self.generate = generate  # (prompt_ids, seed[, ready]) -> GenerationOutput
-        # ([SeededPrompts], ready) -> [GenerationOutput]: several batches in one decode (`produce_block`); None: the
-        # batches of a block are sampled one `generate` call each.
+        # ([SeededPrompts], ready=None) -> [GenerationOutput]: the rows of one or several generation batches, each
+        # sampled from its own seed (`GenerationBackend.generate_batches`).
         self.generate_batches = generate_batches
         self.tokenizer = spec.processing_class
         self.trainer_state = trainer_state  # () -> TrainerState snapshot or None
@@ -104,7 +101,13 @@ class RolloutProducer:
         if spec.agentic is not None:
             from .agentic import AgenticRollouts
 
-            self.agentic = AgenticRollouts(spec, generate, trainer_state or (lambda: None), heartbeat, on_late)
+            self.agentic = AgenticRollouts(
+                spec, self._generate_one, trainer_state or (lambda: None), heartbeat, on_late
+            )
+
+    def _generate_one(self, prompt_ids: list[list[int]], seed: int | None) -> GenerationOutput:
+        """One batch's rows (TRL's multi-turn loop samples one batch's turns at a time)."""
+        return self.generate_batches([SeededPrompts(prompt_ids, seed)])[0]
 
     def close(self) -> None:
         """Release what the producer holds (environments with a `close()`, the event loop of async tools)."""
@@ -159,7 +162,7 @@ class RolloutProducer:
     def _sample_block(self, batches: list[tuple[list[dict], int]], ready) -> list[_Sampled]:
         """One completion per row of each `(rows, seed)` batch, single turn: the prompts tokenized as TRL does,
         sampled with μ recorded, all batches in one decode where the backend can (`generate_batches`), each from its
-        own seed."""
+        own seed. `ready()`, if given, runs once they are laid out, before the model first runs on them."""
         from trl_async.rewards import prepare_rewards
 
         spec = self.spec
@@ -176,17 +179,7 @@ class RolloutProducer:
             check_prompt_ids(prompt_ids, context_length(spec.model_spec.config), prompts=prompts)
             recorder.end(span.TOKENIZE, prepared)
             laid_out.append((rows, prompts, prompt_ids, seed))
-        if self.generate_batches is not None:
-            outputs = self.generate_batches([SeededPrompts(ids, seed) for _, _, ids, seed in laid_out], ready)
-        else:
-            outputs = []
-            for i, (_, _, prompt_ids, seed) in enumerate(laid_out):
-                now_ready = ready if i == 0 else None
-                outputs.append(
-                    self.generate(prompt_ids, seed)
-                    if now_ready is None
-                    else self.generate(prompt_ids, seed, now_ready)
-                )
+        outputs = self.generate_batches([SeededPrompts(ids, seed) for _, _, ids, seed in laid_out], ready)
         return [self._sampled(rows, prompts, prompt_ids, generated) for (rows, prompts, prompt_ids, _), generated in
                 zip(laid_out, outputs, strict=True)]  # fmt: skip
 
