@@ -217,8 +217,9 @@ REGISTRY: list[Benchmark] = [
         "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights), on the CPU",
         "bench_real_size.json",
         {
-            "smoke": "{python} benchmarks/bench_real_size.py --steps 2 --completion-length 8 "
+            "smoke": "{python} benchmarks/bench_real_size.py --steps 4 --completion-length 8 --shape small "
             "--out {results}/bench_real_size.json",
+            # four arms (async, sync, TRL, TRL with steps_per_generation matched), 16 steps each (~2 h on 2 cores)
             "full": "{python} benchmarks/bench_real_size.py --pairs 3 --out {results}/bench_real_size.json",
         },
         R.render_real_size,

@@ -592,6 +592,41 @@ MUTATIONS = [
         "TRL's tests that fail with the class swapped are counted as kept",
     ),
     Mutation(
+        "real_size_clock_starts_before_the_generators_first_batch",
+        "benchmarks/render_results.py",
+        'enumerate(run.get("batch_source") or []) if source == "generator"), None)',
+        'enumerate(run.get("batch_source") or []) if source is not None), None)',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the real-size steady state starts after the trainer's own first batch, before the generation process's first "
+        "one: start-up steps counted as steady state",
+    ),
+    Mutation(
+        "real_size_ratio_inverted",
+        "benchmarks/render_results.py",
+        "steady.append(real_size_steady(other, first, block)[0] / mine)",
+        "steady.append(mine / real_size_steady(other, first, block)[0])",
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the real-size steady-state ratio is async / TRL: a speed-up reads as a slow-down",
+    ),
+    Mutation(
+        "real_size_other_arms_measured_from_their_first_step",
+        "benchmarks/render_results.py",
+        "steady.append(real_size_steady(other, first, block)[0] / mine)",
+        "steady.append(real_size_steady(other, 0, block)[0] / mine)",
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the arms compared with the asynchronous run are measured over all their steps, start-up included, not over "
+        "the same steps as it",
+    ),
+    Mutation(
+        "real_size_startup_phase_read_as_time_since_spawn",
+        "benchmarks/render_results.py",
+        '        elapsed += phase["seconds"]',
+        '        elapsed = phase["seconds"]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the generation process's 'ready after spawn' is the last phase alone (model built -> ready), not the time "
+        "since spawn",
+    ),
+    Mutation(
         "results_readme_table_dropped",
         "benchmarks/run_all.py",
         'f.write(head + README_START + "\\n" + table + "\\n" + README_END + tail)',
