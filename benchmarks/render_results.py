@@ -492,6 +492,64 @@ def summary_docs_style(section: Section) -> list[Row]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------ docs-style seeds
+
+
+def docs_style_accuracy_differences(data: dict) -> list[float]:
+    """Held-out greedy accuracy after training, `AsyncGRPOTrainer` − `GRPOTrainer`, per pair (one seed each)."""
+    return [p["async"]["held_out_accuracy"] - p["trl"]["held_out_accuracy"] for p in docs_style_pairs(data)]
+
+
+def docs_style_seeds_lines(data: dict) -> list[str]:
+    """The seeds study's figures as markdown bullets (also what `bench_docs_style.py --seeds` prints)."""
+    pairs = docs_style_pairs(data)
+    diffs = docs_style_accuracy_differences(data)
+    trl = [p["trl"]["held_out_accuracy"] for p in pairs]
+    ratios = docs_style_speedups(data)
+    return [
+        f"- Held-out greedy accuracy after training, `AsyncGRPOTrainer` − `GRPOTrainer`, paired by seed: "
+        f"**{fmt_mean_se(diffs, signed=True)}** ({se_note(len(diffs), 'seed')}){fmt_interval95(diffs)}; "
+        f"`AsyncGRPOTrainer` higher on {sum(d > 0 for d in diffs)} of {len(diffs)} seeds, lower on "
+        f"{sum(d < 0 for d in diffs)}. `GRPOTrainer` alone ranges from {min(trl):.3f} to {max(trl):.3f}.",
+        f"- `trainer.train()` seconds, `GRPOTrainer` / `AsyncGRPOTrainer`, paired by seed: {fmt_ratio(ratios)}.",
+    ]
+
+
+def docs_style_seeds_text(data: dict) -> str:
+    return "\n".join(docs_style_seeds_lines(data))
+
+
+def render_docs_style_seeds(section: Section) -> str:
+    data = section.first
+    steps = data.get("summary", {}).get("steps")
+    out = [
+        f"`benchmarks/docs_style_grpo.py` ({steps} steps; see the docs-style section) with `GRPOTrainer` and with "
+        "`AsyncGRPOTrainer` (the class swapped, a plain `GRPOConfig`: TRL's loss and importance correction), one pair "
+        "per seed, the seed passed to `GRPOConfig(seed=...)` in both arms, order alternating from seed to seed, both "
+        "on every core. Held-out greedy accuracy after training on 200 arithmetic problems never trained on.",
+        "",
+    ]
+    rows = [[p["trl"].get("seed"), num(p["trl"]["held_out_accuracy"]), num(p["async"]["held_out_accuracy"]),
+             num(p["async"]["held_out_accuracy"] - p["trl"]["held_out_accuracy"], "+.3f"),
+             num(p["trl"]["train_s"], ".1f"), num(p["async"]["train_s"], ".1f")]
+            for p in docs_style_pairs(data)]  # fmt: skip
+    out.append(table(["seed", "held-out accuracy, GRPOTrainer", "AsyncGRPOTrainer", "async − TRL",
+                      "GRPOTrainer s", "AsyncGRPOTrainer s"], rows))  # fmt: skip
+    return "\n".join(out + ["", *docs_style_seeds_lines(data)])
+
+
+def summary_docs_style_seeds(section: Section) -> list[Row]:
+    diffs = docs_style_accuracy_differences(section.first)
+    steps = section.first.get("summary", {}).get("steps")
+    return [
+        (
+            f"A TRL-docs-style GRPO script (plain `GRPOConfig`, {steps} steps): held-out greedy accuracy after "
+            "training, `AsyncGRPOTrainer` − `GRPOTrainer`, one pair per seed",
+            f"{fmt_mean_se(diffs, signed=True)} ({se_note(len(diffs), 'seed')}{fmt_interval95(diffs)})",
+        )
+    ]
+
+
 # ------------------------------------------------------------------------------------------------ bench_tools
 
 

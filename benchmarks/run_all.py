@@ -88,6 +88,8 @@ ASYNC = "{python} benchmarks/bench_async.py"
 NO_THREAD_SETTINGS = {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
 # The seeds study: one asynchronous/synchronous pair of the main job per seed (issue 33 asks for at least 8).
 SEEDS = "1,2,3,4,5,6,7,8"
+# The docs-style script's learning bar (issue 39): at least 8 seeds, one GRPOTrainer/AsyncGRPOTrainer pair each.
+DOCS_STYLE_SEEDS = "0,1,2,3,4,5,6,7,8,9"
 # bench_async's default contenders plus in-flight weight updates at staleness 1 and 2 (issue 24)
 WITH_INFLIGHT = "trl,async-dapo,async-m2po,async-dapo-S2,async-dapo-inflight,async-dapo-S2-inflight"
 
@@ -196,6 +198,20 @@ REGISTRY: list[Benchmark] = [
         R.render_docs_style,
         R.summary_docs_style,
         earlier=Earlier(("earlier/bench_docs_style_run_j.json",), "`python benchmarks/bench_docs_style.py`"),
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "docs_style_seeds",
+        "A TRL-docs-style script over seeds: learning, `AsyncGRPOTrainer` vs `GRPOTrainer`",
+        "bench_docs_style_seeds.json",
+        {
+            "smoke": "{python} benchmarks/bench_docs_style.py --seeds 0,1 --steps 4 "
+            "--output {results}/bench_docs_style_seeds.json",
+            "full": f"{{python}} benchmarks/bench_docs_style.py --seeds {DOCS_STYLE_SEEDS} "
+            "--output {results}/bench_docs_style_seeds.json",
+        },
+        R.render_docs_style_seeds,
+        R.summary_docs_style_seeds,
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(

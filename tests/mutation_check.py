@@ -627,6 +627,22 @@ MUTATIONS = [
         "since spawn",
     ),
     Mutation(
+        "docs_style_seeds_difference_reversed",
+        "benchmarks/render_results.py",
+        'return [p["async"]["held_out_accuracy"] - p["trl"]["held_out_accuracy"] for p in docs_style_pairs(data)]',
+        'return [p["trl"]["held_out_accuracy"] - p["async"]["held_out_accuracy"] for p in docs_style_pairs(data)]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the docs-style seeds study reports TRL − async: a loss of accuracy reads as a gain",
+    ),
+    Mutation(
+        "seeds_interval_with_n_degrees_of_freedom",
+        "benchmarks/render_results.py",
+        "    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96\n",
+        "    t = _T975[n - 1] if n <= len(_T975) else 1.96\n",
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the seeds' 95% interval takes Student's t at n degrees of freedom instead of n - 1: too narrow",
+    ),
+    Mutation(
         "results_readme_table_dropped",
         "benchmarks/run_all.py",
         'f.write(head + README_START + "\\n" + table + "\\n" + README_END + tail)',

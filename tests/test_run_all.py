@@ -175,6 +175,27 @@ FIXTURES = {
             for t, s in (("trl", trl), ("async", a))
         ],
     },  # ratios 30/20 = 1.5 and 36/30 = 1.2: median 1.35 [1.20, 1.50]
+    # Held-out accuracy over 8 seeds: GRPOTrainer 0.40, 0.44, 0.42, 0.38, 0.46, 0.40, 0.42, 0.44; AsyncGRPOTrainer
+    # 0.48, 0.40, 0.42, 0.50, 0.38, 0.44, 0.42, 0.48. Async − TRL: +0.08, −0.04, 0, +0.12, −0.08, +0.04, 0, +0.04:
+    # mean +0.020, sample sd 0.06414 (squared deviations 0.0036 in all over 7 df), standard error 0.02268;
+    # t(0.975, 7 df) = 2.365 gives +0.020 ± 0.05363 = [−0.034, +0.074] (8 df would give [−0.032, +0.072], the
+    # normal's 1.96 [−0.024, +0.064]). Time 30 s / 20 s per seed: 1.50×.
+    "docs_style_seeds": {
+        "summary": {"steps": 120, "seeds": list(range(8))},
+        "runs": [
+            {"trainer": t, "train_s": s, "wall_s": s + 5, "held_out_accuracy": acc, "seed": seed, "pair": seed}
+            for seed, (trl, a) in enumerate(
+                zip(
+                    (0.40, 0.44, 0.42, 0.38, 0.46, 0.40, 0.42, 0.44),
+                    (0.48, 0.40, 0.42, 0.50, 0.38, 0.44, 0.42, 0.48),
+                    strict=True,
+                )
+            )
+            for t, s, acc in (
+                (("trl", 30.0, trl), ("async", 20.0, a)) if seed % 2 == 0 else (("async", 20.0, a), ("trl", 30.0, trl))
+            )
+        ],
+    },  # fmt: skip
     "tools": {
         # a stale summary ratio: the renderer must compute from the runs
         "summary": {
@@ -429,6 +450,13 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
         "decodes 2 generation batches of 8 rows = 16 rows per call)" in text
     )
     assert "≤ 0.12% (upper bound" in text  # timeline overhead: the larger share
+    # the docs-style script over seeds: async − TRL paired by seed, Student's t with n − 1 = 7 degrees of freedom
+    assert "+0.020 ± 0.023 (mean ± standard error over 8 seeds, 95% interval [-0.034, +0.074])" in text
+    assert (
+        "`AsyncGRPOTrainer` higher on 4 of 8 seeds, lower on 2. `GRPOTrainer` alone ranges from 0.380 to 0.460."
+        in text
+    )
+    assert "paired by seed: 1.50× [1.50, 1.50] over 8 pairs." in text
 
 
 def test_render_only_rewrites_only_the_readme_table(tmp_path):
