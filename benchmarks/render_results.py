@@ -384,6 +384,12 @@ def render_main_job_seeds(section: Section) -> str:
         for f in section.files
         if os.path.exists(os.path.splitext(f)[0] + ".png")
     ]
+    links += [  # bench_main_job.py --seeds: learning at equal wall time
+        section.link(os.path.splitext(f)[0] + "_equal_time.png", "reward and held-out accuracy against wall-clock "
+                     "time, seed means (the accuracy reached at equal wall time)")
+        for f in section.files
+        if os.path.exists(os.path.splitext(f)[0] + "_equal_time.png")
+    ]  # fmt: skip
     if links:
         out += ["", "Pictures: " + " · ".join(links)]
     return "\n".join(out)

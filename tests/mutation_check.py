@@ -643,6 +643,14 @@ MUTATIONS = [
         "the seeds' 95% interval takes Student's t at n degrees of freedom instead of n - 1: too narrow",
     ),
     Mutation(
+        "main_job_unkept_steps_placed_at_the_next_kept_one",
+        "benchmarks/bench_main_job.py",
+        "out.append(t1 if s1 == step else t0 + (t1 - t0) * (step - s0) / (s1 - s0))",
+        "out.append(t1)",
+        ("tests/test_run_all.py::test_the_main_job_places_the_steps_its_timeline_did_not_keep_between_the_kept_ones",),
+        "the reward-against-time picture puts the steps the timeline did not keep at the next kept step's end",
+    ),
+    Mutation(
         "results_readme_table_dropped",
         "benchmarks/run_all.py",
         'f.write(head + README_START + "\\n" + table + "\\n" + README_END + tail)',

@@ -539,6 +539,32 @@ def test_a_real_size_file_from_before_the_trl_arms_still_renders(tmp_path):
     assert "9.99" not in text
 
 
+def test_the_main_job_seeds_section_links_its_picture_of_learning_at_equal_wall_time(tmp_path):
+    write_results(tmp_path, FIXTURES)
+    (tmp_path / "results" / "bench_main_job_seeds_equal_time.png").write_bytes(b"not really a PNG")
+    proc = render_only(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    section = text.split("## 5. The main job over seeds", 1)[1].split("\n## ", 1)[0]
+    assert "(the accuracy reached at equal wall time)](results/bench_main_job_seeds_equal_time.png)" in section
+
+
+def test_the_main_job_places_the_steps_its_timeline_did_not_keep_between_the_kept_ones():
+    """`bench_main_job.step_end_seconds`: the kept steps' ends from the track's start (0.5 s); steps 3 and 4, not
+    kept, on the line from step 2 (ending at 4.5 s) to step 5 (10.5 s): 6.5 and 8.5 s; step 6, after the last kept
+    one, on the line to the end of training (13 s)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_main_job_under_test", os.path.join(ROOT, "benchmarks",
+                                                      "bench_main_job.py"))  # fmt: skip
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    kept = [(None, 0.5, 0.8), (0, 0.8, 2.5), (1, 2.5, 5.0), (4, 8.5, 11.0)]
+    assert module.step_end_seconds(kept, last_step=6, train_seconds=13.0) == [2.0, 4.5, 6.5, 8.5, 10.5, 13.0]
+
+
 def test_a_missing_results_file_is_never_rendered_silently(tmp_path):
     benchmarks = write_results(tmp_path, [n for n in FIXTURES if n != "main_job"])
     # without --strict: the headline is shown as not measured, with the command that measures it
