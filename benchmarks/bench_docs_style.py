@@ -163,7 +163,10 @@ def main(argv=None):
         print(R.docs_style_seeds_text({"runs": runs}))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"summary": summary, "limit_run": limit_run, "runs": runs}, f, indent=2)
+        command = f"python benchmarks/bench_docs_style.py --steps {args.steps} " + (
+            f"--seeds {args.seeds}" if args.seeds else f"--pairs {args.pairs}"
+        )
+        json.dump({"command": command, "summary": summary, "limit_run": limit_run, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1438,7 +1438,8 @@ def render_real_size(section: Section) -> str:
     limits = [p["sync"]["limit"]["ideal_overlap_ratio"] for p in pairs if "sync" in p and p["sync"].get("limit")]
     if limits:
         out.append(f"- The limit, from the synchronous runs' timelines: (generation + training) / max(generation, "
-                   f"training) = {statistics.median(limits):.2f}× (median over {len(limits)} runs).")  # fmt: skip
+                   f"training) = {statistics.median(limits):.2f}×"
+                   + (f" (median over {len(limits)} runs)." if len(limits) > 1 else "."))  # fmt: skip
     rss = [p["async"].get("peak_rss_mib", {}) for p in pairs]
     if rss and rss[0]:
         labels_rss = sorted(rss[0])
@@ -1475,6 +1476,9 @@ def summary_real_size(section: Section) -> list[Row]:
         "its `steps_per_generation` matched, and our synchronous mode"
     )
     extra = f"; generation process ready {statistics.median(ready):.1f} s after spawn" if ready else ""
+    shape = data["settings"].get("shape", "0.5b")
+    if shape != "0.5b":
+        what += f" (**the `{shape}` shape: a plumbing check, not a measurement**)"
     return [(what, "; ".join(cells) + extra)]
 
 
