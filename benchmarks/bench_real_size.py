@@ -35,7 +35,8 @@ results as `bench_real_size.pair<P>-<arm>.timeline.json`; the TRL arms from a ca
 of `trainer.train()` (end to end). For the async arm also: which batch each step trained on (the timeline: a `make
 batch` span, the trainer's own batch while its generation process starts, or a `wait for batch` on the queue, a batch
 of the generation process; and the `async/trainer_generated_batches` metric), `async/rows_per_decode` per step, and the
-generation process's start-up phases (spawn, imports done, model built, ready, first batch queued). Peak memory, the
+generation process's start-up phases (spawn, imports done, model built, ready, first batch queued) and how long after
+the trainer's first step began it was spawned (the trainer publishes the start-up weights first). Peak memory, the
 LoRA publish time, and from the synchronous run's timeline the limit of overlapping generation with training.
 
 Steady state (computed by `render_results.py` from those records, as every RESULTS figure): the steps after the one
@@ -220,6 +221,10 @@ def timeline_figures(output_dir: str, arm: str, history: list[dict], steps: int)
         return figures
     # Which batch each step trained on: the last batch span in the step (a batch the trainer made itself and found
     # too stale is followed by the next one).
+    generator = next(
+        (p for p in timeline.analysis.processes(trace) if p["role"] == "generator" and p["rank"] == 0), None
+    )
+    spawn = None if generator is None else generator["instants"].get(names.SPAWN)
     sources = []
     for _, start, end in kept:
         spans = sorted((s, name) for name, _, s, _, _ in trainer["spans"]
@@ -231,6 +236,9 @@ def timeline_figures(output_dir: str, arm: str, history: list[dict], steps: int)
         rows_per_decode=per_step(history, "async/rows_per_decode", steps),
         staleness_mean=per_step(history, "async/staleness_mean", steps),
         startup=summary["startup"].get(0),
+        # what the trainer does before it spawns its generation process (publishing the start-up weights) is start-up
+        # too: the spawn's time after the trainer's first step began
+        spawn_after_training_start_s=None if spawn is None else spawn - kept[0][1],
         idle_causes=summary["idle_causes"][:5],
     )
     return figures

@@ -1347,6 +1347,15 @@ def real_size_startup(run: dict) -> dict[str, float] | None:
     return after_spawn
 
 
+def real_size_ready_after_training_start(run: dict) -> float | None:
+    """Seconds from the start of the trainer's first step to its generation process being ready: the spawn's delay
+    (`spawn_after_training_start_s`, what the trainer does before spawning it) plus spawn -> ready."""
+    startup, spawned = real_size_startup(run), run.get("spawn_after_training_start_s")
+    if spawned is None or not startup or "ready" not in startup:
+        return None
+    return spawned + startup["ready"]
+
+
 def real_size_lines(data: dict) -> list[str]:
     """The section's figures as markdown bullets (also what `bench_real_size.py` prints at the end of a run)."""
     settings, labels = data["settings"], real_size_labels(data)
@@ -1372,12 +1381,19 @@ def real_size_lines(data: dict) -> list[str]:
     if startups:
         marks = [m for m in STARTUP_MARKS[1:] if all(m in s for s in startups)]
         median = {m: statistics.median(s[m] for s in startups) for m in marks}
-        text = ", ".join(f"{m} {median[m]:.1f} s" for m in marks)
+        text = (f"- The generation process's start-up (the asynchronous runs' timelines; seconds after its spawn, median "
+                f"over {len(startups)} run{'s' if len(startups) > 1 else ''}): "
+                + ", ".join(f"{m} {median[m]:.1f} s" for m in marks) + ".")  # fmt: skip
         ready = [s["ready"] for s in startups if "ready" in s]
-        spread = f" [{min(ready):.1f}, {max(ready):.1f}]" if len(ready) > 1 else ""
-        out.append(f"- The generation process's start-up (the asynchronous runs' timelines; seconds after its spawn, "
-                   f"median over {len(startups)} run{'s' if len(startups) > 1 else ''}): {text}. Built and ready "
-                   f"**{statistics.median(ready):.1f} s{spread} after spawn**." if ready else f"{text}.")  # fmt: skip
+        if ready:
+            spread = f" [{min(ready):.1f}, {max(ready):.1f}]" if len(ready) > 1 else ""
+            text += f" Built and ready **{statistics.median(ready):.1f} s{spread} after spawn**."
+        spawned = [s for p in pairs if (s := p["async"].get("spawn_after_training_start_s")) is not None]
+        after_start = [r for p in pairs if (r := real_size_ready_after_training_start(p["async"])) is not None]
+        if spawned and after_start:
+            text += (f" The trainer spawned it **{statistics.median(spawned):.1f} s** after its first step began, so it "
+                     f"was ready {statistics.median(after_start):.1f} s after training began.")  # fmt: skip
+        out.append(text)
     decoded = [v for p, f in zip(pairs, firsts, strict=True) if f is not None
                for v in (p["async"].get("rows_per_decode") or [])[f - 1 :] if v is not None]  # fmt: skip
     if decoded:
@@ -1476,6 +1492,9 @@ def summary_real_size(section: Section) -> list[Row]:
         "its `steps_per_generation` matched, and our synchronous mode"
     )
     extra = f"; generation process ready {statistics.median(ready):.1f} s after spawn" if ready else ""
+    after_start = [r for p in real_size_pairs(data) if (r := real_size_ready_after_training_start(p["async"]))]
+    if ready and after_start:
+        extra += f", {statistics.median(after_start):.1f} s after training began"
     shape = data["settings"].get("shape", "0.5b")
     if shape != "0.5b":
         what += f" (**the `{shape}` shape: a plumbing check, not a measurement**)"

@@ -627,6 +627,14 @@ MUTATIONS = [
         "since spawn",
     ),
     Mutation(
+        "real_size_ready_without_the_time_before_the_spawn",
+        "benchmarks/render_results.py",
+        '    return spawned + startup["ready"]',
+        '    return startup["ready"]',
+        ("tests/test_run_all.py::test_render_only_renders_every_section_from_the_per_run_records",),
+        "the generation process's readiness after training began leaves out what the trainer did before spawning it",
+    ),
+    Mutation(
         "docs_style_seeds_difference_reversed",
         "benchmarks/render_results.py",
         'return [p["async"]["held_out_accuracy"] - p["trl"]["held_out_accuracy"] for p in docs_style_pairs(data)]',

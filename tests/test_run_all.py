@@ -124,10 +124,12 @@ REAL_SIZE_TWO_ARMS = {
 }  # 1.30 and 1.10: median 1.20; limits 1.2 and 1.4: median 1.30
 
 
-def real_size_arm(arm, pair, position, train_seconds, step_seconds, first_generator_step=None, phases=None):
+def real_size_arm(arm, pair, position, train_seconds, step_seconds, first_generator_step=None, phases=None,
+                  spawned=None):  # fmt: skip
     """A run of bench_real_size's four arms. For the async arm: the trainer made the batches of the steps before
-    `first_generator_step` itself, and its generation process's start-up took `phases` (spawn -> imports done ->
-    model built -> ready -> first batch queued, seconds each)."""
+    `first_generator_step` itself, spawned its generation process `spawned` seconds after its first step began, and
+    the generation process's start-up took `phases` (spawn -> imports done -> model built -> ready -> first batch
+    queued, seconds each)."""
     run = {"arm": arm, "pair": pair, "position": position, "train_seconds": train_seconds,
            "wall_seconds": train_seconds + 10.0, "step_seconds": step_seconds}  # fmt: skip
     if arm == "async":
@@ -140,6 +142,7 @@ def real_size_arm(arm, pair, position, train_seconds, step_seconds, first_genera
                 ("spawn", "imports done", "model built", "ready"),
                 ("imports done", "model built", "ready", "first batch queued"), phases, strict=True)]},
             peak_rss_mib={"trainer rank 0": 8192, "generator rank 0": 4096},
+            spawn_after_training_start_s=spawned,
         )  # fmt: skip
     if arm == "sync":
         run["limit"] = {"ideal_overlap_ratio": 1.8, "generation_s": 80.0, "training_s": 70.0}
@@ -323,7 +326,8 @@ FIXTURES = {
     # 26 (1.30), sync 20 (1.00). Steady: 1.90x [1.80, 2.00], 1.40x [1.30, 1.50], 1.10x [1.00, 1.20]. End to end
     # (train seconds / async's 200): trl 340, 380 -> 1.80x [1.70, 1.90]; trl_spg 280, 300 -> 1.45x [1.40, 1.50];
     # sync 260, 240 -> 1.25x [1.20, 1.30]. Start-up after spawn: pair 0 1.0, 2.5, 2.8, 32.8; pair 1 1.2, 2.9, 3.2,
-    # 31.2: medians imports 1.1, built 2.7, ready 3.0 [2.8, 3.2], first batch 32.0.
+    # 31.2: medians imports 1.1, built 2.7, ready 3.0 [2.8, 3.2], first batch 32.0. Spawned 19 and 21 s after the
+    # trainer's first step began: median 20.0; ready 21.8 and 24.2 s after it: median 23.0.
     "real_size": {
         "command": "python benchmarks/bench_real_size.py --pairs 2 --steps 7 --completion-length 64",
         "settings": {
@@ -337,14 +341,18 @@ FIXTURES = {
             "min_steady_steps": 4,
         },
         "runs": [
-            real_size_arm("async", 0, 0, 200.0, [40.0, 35.0, 30.0, 22.0, 20.0, 19.0, 17.0], 3, (1.0, 1.5, 0.3, 30.0)),
+            real_size_arm(
+                "async", 0, 0, 200.0, [40.0, 35.0, 30.0, 22.0, 20.0, 19.0, 17.0], 3, (1.0, 1.5, 0.3, 30.0), 19.0
+            ),
             real_size_arm("sync", 0, 1, 260.0, [30.0, 30.0, 30.0, 23.4, 23.4, 23.4, 23.4]),
             real_size_arm("trl", 0, 2, 340.0, [50.0, 40.0, 40.0, 40.0, 40.0, 38.0, 38.0]),
             real_size_arm("trl_spg", 0, 3, 280.0, [60.0, 20.0, 50.0, 48.0, 10.0, 46.0, 13.0]),
             real_size_arm("trl_spg", 1, 0, 300.0, [60.0, 20.0, 50.0, 26.0, 26.0, 26.0, 26.0]),
             real_size_arm("trl", 1, 1, 380.0, [50.0, 40.0, 40.0, 36.0, 36.0, 36.0, 36.0]),
             real_size_arm("sync", 1, 2, 240.0, [30.0, 30.0, 30.0, 20.0, 20.0, 20.0, 20.0]),
-            real_size_arm("async", 1, 3, 200.0, [40.0, 30.0, 25.0, 20.0, 20.0, 20.0, 20.0], 2, (1.2, 1.7, 0.3, 28.0)),
+            real_size_arm(
+                "async", 1, 3, 200.0, [40.0, 30.0, 25.0, 20.0, 20.0, 20.0, 20.0], 2, (1.2, 1.7, 0.3, 28.0), 21.0
+            ),
         ],
         "summary": {"parameters": 494_000_000},
     },
@@ -438,10 +446,13 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
         "vs TRL's `GRPOTrainer` **1.90× [1.80, 2.00] over 2 pairs** (end to end 1.80× [1.70, 1.90] over 2 pairs); "
         "vs TRL with `steps_per_generation=2` **1.40× [1.30, 1.50] over 2 pairs** (end to end 1.45× [1.40, 1.50] over "
         "2 pairs); vs our synchronous mode **1.10× [1.00, 1.20] over 2 pairs** (end to end 1.25× [1.20, 1.30] over 2 "
-        "pairs); generation process ready 3.0 s after spawn"
+        "pairs); generation process ready 3.0 s after spawn, 23.0 s after training began"
     ) in text
     assert "imports done 1.1 s, model built 2.7 s, ready 3.0 s, first batch queued 32.0 s" in text
-    assert "Built and ready **3.0 s [2.8, 3.2] after spawn**" in text
+    assert (
+        "Built and ready **3.0 s [2.8, 3.2] after spawn**. The trainer spawned it **20.0 s** after its first step "
+        "began, so it was ready 23.0 s after training began." in text
+    )
     assert (
         "per pair: 3, 2 (the `async/trainer_generated_batches` metric agrees); steps measured after it: 4, 4." in text
     )
