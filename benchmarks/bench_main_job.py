@@ -41,6 +41,12 @@ before and after (eval.json). Summary: medians per mode, and the paired ratios s
 benchmarks/results/bench_main_job.json, a PNG of the runs beside it, and copies the first asynchronous run's
 reward_accuracy.png to benchmarks/results/main_job_reward_accuracy.png (the picture RESULTS.md shows; same-cores
 regime, default job only). Under `accelerate_launch` the default output is benchmarks/results/bench_main_job_accelerate.json.
+
+Learning at equal wall time (with --seeds): each run also records its reward curve against wall-clock time
+(`reward_curve`: [seconds, reward] per logged step, the seconds from its timeline's step track, which keeps the first
+200 steps and then 5 in every 100: the steps between kept ones are placed linearly, the last at the end of
+training), and `<out>_equal_time.png` beside the JSON shows, per mode and averaged over the seeds, the reward against
+wall-clock seconds and the held-out accuracy before and after against the seconds it took to reach it.
 """
 
 from __future__ import annotations
@@ -145,6 +151,7 @@ def run_once(
         raise RuntimeError(f"{mode} run failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
     summary = json.load(open(os.path.join(output_dir, "reward_summary.json")))
     timeline = timeline_figures(output_dir, sync=mode == "sync")
+    history = json.load(open(os.path.join(output_dir, "trainer_state.json")))["log_history"]
     eval_path = os.path.join(output_dir, "eval.json")
     results = json.load(open(eval_path)) if os.path.exists(eval_path) else None
     return {
@@ -159,7 +166,40 @@ def run_once(
         "accuracy_after": results["after"]["accuracy"] if results else None,
         "eval_samples": results["num_samples"] if results else None,
         "timeline": timeline,
+        "reward_curve": reward_curve(output_dir, history, summary["seconds"]),
     }
+
+
+def step_end_seconds(steps: list[tuple], last_step: int, train_seconds: float) -> list[float]:
+    """Seconds from the start of the trainer's step track to the end of each optimizer step 1..`last_step`, from the
+    timeline's kept steps ((step counted from 0, start, end) each; None for the track before the first step). A step
+    the timeline did not keep is placed linearly between the kept ones around it; after the last kept step, towards
+    the end of training (`train_seconds` after the start)."""
+    origin = min(start for _, start, _ in steps)
+    known = {0: 0.0, **{step + 1: end - origin for step, _, end in steps if step is not None}}
+    known.setdefault(last_step, max(train_seconds, max(known.values())))
+    anchors = sorted((step, seconds) for step, seconds in known.items() if step <= last_step)
+    out = []
+    for step in range(1, last_step + 1):
+        right = next(i for i, (s, _) in enumerate(anchors) if s >= step)
+        (s1, t1), (s0, t0) = anchors[right], anchors[max(right - 1, 0)]
+        out.append(t1 if s1 == step else t0 + (t1 - t0) * (step - s0) / (s1 - s0))
+    return out
+
+
+def reward_curve(output_dir: str, history: list[dict], train_seconds: float) -> list[list[float]] | None:
+    """[seconds, reward] per logged step: the reward against wall-clock time (None without a timeline)."""
+    from trl_async import timeline
+
+    if not os.path.exists(os.path.join(output_dir, timeline.TIMELINE_FILE)):
+        return None
+    trace = timeline.load_trace(output_dir)
+    trainer = next(p for p in timeline.analysis.processes(trace) if p["role"] == "trainer" and p["rank"] == 0)
+    logged = [(h["step"], h["reward"]) for h in history if "reward" in h and "step" in h]
+    if not logged:
+        return None
+    ends = step_end_seconds([(s, a, b) for s, a, b, _ in trainer["steps"]], max(s for s, _ in logged), train_seconds)
+    return [[ends[step - 1], reward] for step, reward in logged]
 
 
 def ratio_stats(values: list[float]) -> dict:
@@ -246,6 +286,64 @@ def plot(runs: list[dict], path: str) -> bool:
     return True
 
 
+def plot_equal_time(runs: list[dict], path: str) -> bool:
+    """Per mode, averaged over the seeds: the reward (a rolling mean over 5% of the logged steps) against wall-clock
+    seconds, up to the end of the mode's shortest run, ± the standard error over the seeds; and the held-out accuracy
+    before training (at 0 s) and after (at the mode's median training seconds), ± the standard error. False without
+    matplotlib or reward curves."""
+    try:
+        import matplotlib
+        import numpy as np
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    curves = {mode: [r["reward_curve"] for r in runs if r["mode"] == mode and r.get("reward_curve")] for mode in MODES}
+    if not all(curves.values()):
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"async": "tab:blue", "sync": "tab:gray"}
+    done = {mode: statistics.median(r["train_seconds"] for r in runs if r["mode"] == mode) for mode in MODES}
+    for mode in MODES:
+        window = max(1, len(curves[mode][0]) // 20)
+        smoothed = []
+        for curve in curves[mode]:
+            seconds, reward = np.array(curve).T
+            smoothed.append((seconds, np.convolve(reward, np.ones(window) / window, mode="valid"), window))
+        end = min(s[-1] for s, _, _ in smoothed)
+        grid = np.linspace(max(s[window - 1] for s, _, _ in smoothed), end, 200)
+        values = np.array([np.interp(grid, s[w - 1 :], r) for s, r, w in smoothed])
+        mean = values.mean(axis=0)
+        se = values.std(axis=0, ddof=1) / np.sqrt(len(values)) if len(values) > 1 else np.zeros_like(mean)
+        label = f"{mode} ({len(values)} seed{'s' if len(values) > 1 else ''})"
+        axes[0].plot(grid, mean, color=colors[mode], label=label)
+        axes[0].fill_between(grid, mean - se, mean + se, color=colors[mode], alpha=0.2)
+        mine = [r for r in runs if r["mode"] == mode and r.get("accuracy_after") is not None]
+        if mine:
+            before = [r["accuracy_before"] for r in mine]
+            after = [r["accuracy_after"] for r in mine]
+            err = lambda v: statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else 0.0  # noqa: E731
+            axes[1].errorbar([0.0, done[mode]], [statistics.mean(before), statistics.mean(after)],
+                             yerr=[err(before), err(after)], color=colors[mode], marker="o", capsize=4,
+                             label=label)  # fmt: skip
+            for r in mine:
+                axes[1].plot([0.0, r["train_seconds"]], [r["accuracy_before"], r["accuracy_after"]],
+                             color=colors[mode], alpha=0.15, linewidth=0.8)  # fmt: skip
+    for ax in axes:
+        ax.axvline(done["async"], color=colors["async"], linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0].set(xlabel="wall-clock seconds of training", ylabel="reward (rolling mean)",
+                title="Reward against wall-clock time, seed mean ± s.e.")  # fmt: skip
+    axes[1].set(xlabel="wall-clock seconds of training", ylabel="held-out greedy accuracy",
+                title="Accuracy reached, and when (seed mean ± s.e.)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3, help="pairs of runs (async + sync), order alternating")
@@ -326,8 +424,13 @@ def main(argv: list[str] | None = None) -> dict:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     png = os.path.splitext(args.out)[0] + ".png"
+    equal_time = os.path.splitext(args.out)[0] + "_equal_time.png"
+    equal_time = equal_time if args.seeds and plot_equal_time(runs, equal_time) else None
     print(
-        f"wrote {args.out}" + (f" and {png}" if plot(runs, png) else "") + (f"; picture {picture}" if picture else "")
+        f"wrote {args.out}"
+        + (f" and {png}" if plot(runs, png) else "")
+        + (f"; picture {picture}" if picture else "")
+        + (f"; learning at equal wall time: {equal_time}" if equal_time else "")
     )
     return result
 

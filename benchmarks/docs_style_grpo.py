@@ -4,6 +4,7 @@
 # AsyncGRPOTrainer; `limit` is AsyncGRPOTrainer with `async_generation=False` (TRL's synchronous loop, with the
 # timeline recorded: where the limit of overlapping generation and training comes from).
 # Usage: python docs_style_grpo.py {trl,async,limit} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS] [HELD_OUT_JSONL]
+#        [SEED]   (GRPOConfig's `seed`, TRL's default 42 when not given; `bench_docs_style.py --seeds` gives one a pair)
 import json
 import os
 import sys
@@ -15,9 +16,10 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_async import AsyncGRPOTrainer
 
 USAGE = (
-    "usage: python docs_style_grpo.py {trl,async,limit} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS] [HELD_OUT_JSONL]"
+    "usage: python docs_style_grpo.py {trl,async,limit} MODEL_PATH DATA_JSONL OUTPUT_DIR [MAX_STEPS] [HELD_OUT_JSONL] "
+    "[SEED]"
 )
-if len(sys.argv) not in (5, 6, 7) or sys.argv[1] not in (
+if len(sys.argv) not in (5, 6, 7, 8) or sys.argv[1] not in (
     "trl",
     "async",
     "limit",
@@ -27,7 +29,8 @@ if len(sys.argv) not in (5, 6, 7) or sys.argv[1] not in (
     raise SystemExit(0 if asked else 2)
 trainer_name, model_path, data_file, output_dir = sys.argv[1:5]
 max_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 120
-held_out_file = sys.argv[6] if len(sys.argv) > 6 else None
+held_out_file = sys.argv[6] if len(sys.argv) > 6 and sys.argv[6] else None
+seed = int(sys.argv[7]) if len(sys.argv) > 7 else 42  # TRL's default seed
 dataset = load_dataset("json", data_files=data_file, split="train")
 
 
@@ -43,6 +46,7 @@ training_args = GRPOConfig(
     max_steps=max_steps,
     report_to="none",
     bf16=False,  # CPU
+    seed=seed,
 )
 if trainer_name == "limit":
     training_args.async_generation = False  # AsyncGRPOTrainer's synchronous path: TRL's loop, recorded
@@ -60,4 +64,4 @@ if held_out_file:  # the benchmark's measurement, not part of the user's script:
     held_out_accuracy = greedy_accuracy(trainer.model, trainer.processing_class, held_out)
 with open(os.path.join(output_dir, "result.json"), "w") as f:
     json.dump({"trainer": type(trainer).__name__, "train_s": train_s, "held_out_accuracy": held_out_accuracy,
-               "log_history": trainer.state.log_history}, f)  # fmt: skip
+               "seed": training_args.seed, "log_history": trainer.state.log_history}, f)  # fmt: skip

@@ -92,6 +92,10 @@ ASYNC = "{python} benchmarks/bench_async.py"
 NO_THREAD_SETTINGS = {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}
 # The seeds study: one asynchronous/synchronous pair of the main job per seed (issue 33 asks for at least 8).
 SEEDS = "1,2,3,4,5,6,7,8"
+# The main job's learning bar at the default bound (issue 39): at least 12 seeds.
+MAIN_JOB_SEEDS = "1,2,3,4,5,6,7,8,9,10,11,12"
+# The docs-style script's learning bar (issue 39): at least 8 seeds, one GRPOTrainer/AsyncGRPOTrainer pair each.
+DOCS_STYLE_SEEDS = "0,1,2,3,4,5,6,7,8,9"
 # bench_async's default contenders plus in-flight weight updates at staleness 1 and 2 (issue 24)
 WITH_INFLIGHT = "trl,async-dapo,async-m2po,async-dapo-S2,async-dapo-inflight,async-dapo-S2-inflight"
 
@@ -163,7 +167,7 @@ REGISTRY: list[Benchmark] = [
         "bench_main_job_seeds.json",
         {
             "smoke": f"{MAIN_JOB} --seeds 1 {SMOKE_RECIPE} --out {{results}}/bench_main_job_seeds.json",
-            "full": f"{MAIN_JOB} --seeds {SEEDS} --out {{results}}/bench_main_job_seeds.json",
+            "full": f"{MAIN_JOB} --seeds {MAIN_JOB_SEEDS} --out {{results}}/bench_main_job_seeds.json",
         },
         R.render_main_job_seeds,
         R.summary_main_job_seeds,
@@ -203,6 +207,20 @@ REGISTRY: list[Benchmark] = [
         env=NO_THREAD_SETTINGS,
     ),
     Benchmark(
+        "docs_style_seeds",
+        "A TRL-docs-style script over seeds: learning, `AsyncGRPOTrainer` vs `GRPOTrainer`",
+        "bench_docs_style_seeds.json",
+        {
+            "smoke": "{python} benchmarks/bench_docs_style.py --seeds 0,1 --steps 4 "
+            "--output {results}/bench_docs_style_seeds.json",
+            "full": f"{{python}} benchmarks/bench_docs_style.py --seeds {DOCS_STYLE_SEEDS} "
+            "--output {results}/bench_docs_style_seeds.json",
+        },
+        R.render_docs_style_seeds,
+        R.summary_docs_style_seeds,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
         "tools",
         "Tool calls of real latency (`tools=`): `GRPOTrainer` vs `AsyncGRPOTrainer`",
         "bench_tools.json",
@@ -221,8 +239,9 @@ REGISTRY: list[Benchmark] = [
         "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights), on the CPU",
         "bench_real_size.json",
         {
-            "smoke": "{python} benchmarks/bench_real_size.py --steps 2 --completion-length 8 "
+            "smoke": "{python} benchmarks/bench_real_size.py --steps 4 --completion-length 8 --shape small "
             "--out {results}/bench_real_size.json",
+            # four arms (async, sync, TRL, TRL with steps_per_generation matched), 16 steps each (~2 h on 2 cores)
             "full": "{python} benchmarks/bench_real_size.py --pairs 3 --out {results}/bench_real_size.json",
         },
         R.render_real_size,

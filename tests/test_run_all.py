@@ -92,6 +92,7 @@ def soak_run(growth):
 
 
 def real_size_run(mode, pair, step_seconds, limit=None):
+    """A run of a results file from before the TRL arms (two arms, `mode` per run)."""
     run = {
         "mode": mode,
         "pair": pair,
@@ -162,6 +163,45 @@ def gpu_check_summary():
                      "budget_s": 480, "seconds": 466}}  # fmt: skip
 
 
+REAL_SIZE_TWO_ARMS = {
+    "command": "python benchmarks/bench_real_size.py --pairs 2 --steps 4 --completion-length 64",
+    "settings": {"steps": 4, "rows_per_step": 8, "completion_length": 64},
+    "runs": [
+        real_size_run("async", 0, 100.0),
+        real_size_run("sync", 0, 130.0, limit=1.2),
+        real_size_run("sync", 1, 110.0, limit=1.4),
+        real_size_run("async", 1, 100.0),
+    ],
+    # a stale summary: the renderer must compute from the runs
+    "summary": {"parameters": 494_000_000, "step_time_ratio_sync_over_async": {"median": 9.99}},
+}  # 1.30 and 1.10: median 1.20; limits 1.2 and 1.4: median 1.30
+
+
+def real_size_arm(arm, pair, position, train_seconds, step_seconds, first_generator_step=None, phases=None,
+                  spawned=None):  # fmt: skip
+    """A run of bench_real_size's four arms. For the async arm: the trainer made the batches of the steps before
+    `first_generator_step` itself, spawned its generation process `spawned` seconds after its first step began, and
+    the generation process's start-up took `phases` (spawn -> imports done -> model built -> ready -> first batch
+    queued, seconds each)."""
+    run = {"arm": arm, "pair": pair, "position": position, "train_seconds": train_seconds,
+           "wall_seconds": train_seconds + 10.0, "step_seconds": step_seconds}  # fmt: skip
+    if arm == "async":
+        steps, first = len(step_seconds), first_generator_step
+        run.update(
+            batch_source=["trainer"] * (first - 1) + ["generator"] * (steps - first + 1),
+            trainer_generated_batches=[1.0] * (first - 1) + [0.0] * (steps - first + 1),
+            rows_per_decode=[8.0] * (first - 1) + [16.0] * (steps - first + 1),
+            startup={"phases": [{"from": a, "to": b, "seconds": s} for a, b, s in zip(
+                ("spawn", "imports done", "model built", "ready"),
+                ("imports done", "model built", "ready", "first batch queued"), phases, strict=True)]},
+            peak_rss_mib={"trainer rank 0": 8192, "generator rank 0": 4096},
+            spawn_after_training_start_s=spawned,
+        )  # fmt: skip
+    if arm == "sync":
+        run["limit"] = {"ideal_overlap_ratio": 1.8, "generation_s": 80.0, "training_s": 70.0}
+    return run
+
+
 FIXTURES = {
     # ratios 100/50 = 2.0 and 90/60 = 1.5: median 1.75 [1.50, 2.00]
     "main_job": main_job([(50.0, 100.0, 0.6, 0.5), (60.0, 90.0, 0.6, 0.5)], regime="same_cores"),
@@ -191,6 +231,27 @@ FIXTURES = {
             for t, s in (("trl", trl), ("async", a))
         ],
     },  # ratios 30/20 = 1.5 and 36/30 = 1.2: median 1.35 [1.20, 1.50]
+    # Held-out accuracy over 8 seeds: GRPOTrainer 0.40, 0.44, 0.42, 0.38, 0.46, 0.40, 0.42, 0.44; AsyncGRPOTrainer
+    # 0.48, 0.40, 0.42, 0.50, 0.38, 0.44, 0.42, 0.48. Async − TRL: +0.08, −0.04, 0, +0.12, −0.08, +0.04, 0, +0.04:
+    # mean +0.020, sample sd 0.06414 (squared deviations 0.0036 in all over 7 df), standard error 0.02268;
+    # t(0.975, 7 df) = 2.365 gives +0.020 ± 0.05363 = [−0.034, +0.074] (8 df would give [−0.032, +0.072], the
+    # normal's 1.96 [−0.024, +0.064]). Time 30 s / 20 s per seed: 1.50×.
+    "docs_style_seeds": {
+        "summary": {"steps": 120, "seeds": list(range(8))},
+        "runs": [
+            {"trainer": t, "train_s": s, "wall_s": s + 5, "held_out_accuracy": acc, "seed": seed, "pair": seed}
+            for seed, (trl, a) in enumerate(
+                zip(
+                    (0.40, 0.44, 0.42, 0.38, 0.46, 0.40, 0.42, 0.44),
+                    (0.48, 0.40, 0.42, 0.50, 0.38, 0.44, 0.42, 0.48),
+                    strict=True,
+                )
+            )
+            for t, s, acc in (
+                (("trl", 30.0, trl), ("async", 20.0, a)) if seed % 2 == 0 else (("async", 20.0, a), ("trl", 30.0, trl))
+            )
+        ],
+    },  # fmt: skip
     "tools": {
         # a stale summary ratio: the renderer must compute from the runs
         "summary": {
@@ -311,18 +372,43 @@ FIXTURES = {
         "commits": {"before": "a" * 40, "after": "b" * 40},
         "jobs": {"docs_style": {"per_pair": [1.1, 0.9], "before_s": [11.0, 9.0], "after_s": [10.0, 10.0]}},
     },  # median 1.00 [0.90, 1.10]
+    # Four arms, 7 steps, 2 generation batches per decode: steady state over blocks of 2 steps. Pair 0: the async
+    # trainer first trains on a generator batch at step 3, so steps 4-7 are measured: async 22, 20 | 19, 17 -> blocks
+    # 21, 18 -> 19.5 s; trl 40, 40 | 38, 38 -> 39 (2.00); trl_spg 48, 10 | 46, 13 -> 29.25 (1.50); sync 23.4 (1.20).
+    # Pair 1: first at step 2, steps 3-7 leave 5, the earliest dropped: steps 4-7; async 20, trl 36 (1.80), trl_spg
+    # 26 (1.30), sync 20 (1.00). Steady: 1.90x [1.80, 2.00], 1.40x [1.30, 1.50], 1.10x [1.00, 1.20]. End to end
+    # (train seconds / async's 200): trl 340, 380 -> 1.80x [1.70, 1.90]; trl_spg 280, 300 -> 1.45x [1.40, 1.50];
+    # sync 260, 240 -> 1.25x [1.20, 1.30]. Start-up after spawn: pair 0 1.0, 2.5, 2.8, 32.8; pair 1 1.2, 2.9, 3.2,
+    # 31.2: medians imports 1.1, built 2.7, ready 3.0 [2.8, 3.2], first batch 32.0. Spawned 19 and 21 s after the
+    # trainer's first step began: median 20.0; ready 21.8 and 24.2 s after it: median 23.0.
     "real_size": {
-        "command": "python benchmarks/bench_real_size.py --pairs 2 --steps 4 --completion-length 64",
-        "settings": {"steps": 4, "rows_per_step": 8, "completion_length": 64},
+        "command": "python benchmarks/bench_real_size.py --pairs 2 --steps 7 --completion-length 64",
+        "settings": {
+            "steps": 7,
+            "rows_per_step": 8,
+            "completion_length": 64,
+            "shape": "0.5b",
+            "items_per_decode": 2,
+            "rows_per_generation_batch": 8,
+            "max_staleness": 3,
+            "min_steady_steps": 4,
+        },
         "runs": [
-            real_size_run("async", 0, 100.0),
-            real_size_run("sync", 0, 130.0, limit=1.2),
-            real_size_run("sync", 1, 110.0, limit=1.4),
-            real_size_run("async", 1, 100.0),
+            real_size_arm(
+                "async", 0, 0, 200.0, [40.0, 35.0, 30.0, 22.0, 20.0, 19.0, 17.0], 3, (1.0, 1.5, 0.3, 30.0), 19.0
+            ),
+            real_size_arm("sync", 0, 1, 260.0, [30.0, 30.0, 30.0, 23.4, 23.4, 23.4, 23.4]),
+            real_size_arm("trl", 0, 2, 340.0, [50.0, 40.0, 40.0, 40.0, 40.0, 38.0, 38.0]),
+            real_size_arm("trl_spg", 0, 3, 280.0, [60.0, 20.0, 50.0, 48.0, 10.0, 46.0, 13.0]),
+            real_size_arm("trl_spg", 1, 0, 300.0, [60.0, 20.0, 50.0, 26.0, 26.0, 26.0, 26.0]),
+            real_size_arm("trl", 1, 1, 380.0, [50.0, 40.0, 40.0, 36.0, 36.0, 36.0, 36.0]),
+            real_size_arm("sync", 1, 2, 240.0, [30.0, 30.0, 30.0, 20.0, 20.0, 20.0, 20.0]),
+            real_size_arm(
+                "async", 1, 3, 200.0, [40.0, 30.0, 25.0, 20.0, 20.0, 20.0, 20.0], 2, (1.2, 1.7, 0.3, 28.0), 21.0
+            ),
         ],
-        # a stale summary: the renderer must compute from the runs
-        "summary": {"parameters": 494_000_000, "step_time_ratio_sync_over_async": {"median": 9.99}},
-    },  # 1.30 and 1.10: median 1.20; limits 1.2 and 1.4: median 1.30
+        "summary": {"parameters": 494_000_000},
+    },
     "timeline_overhead": {
         "per_call_ns": {"span_kept_ns": 300.0, "set_step_ns": 500.0},
         "per_step_ns": 14000.0,
@@ -409,7 +495,25 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "0.550 ± 0.050 (n=2)" in text and "0.450 ± 0.050 (n=2)" in text  # staleness cells over seeds
     assert "flat (largest RSS growth after warm-up +3.0%)" in text
     assert "1.00× [0.90, 1.10] over 2 pairs" in text  # before / after
-    assert "**1.20× [1.10, 1.30] over 2 pairs** (limit 1.30×)" in text  # real size, step time per pair
+    # real size: each arm against the asynchronous run, on the steps after its generation process's first batch
+    assert (
+        "vs TRL's `GRPOTrainer` **1.90× [1.80, 2.00] over 2 pairs** (end to end 1.80× [1.70, 1.90] over 2 pairs); "
+        "vs TRL with `steps_per_generation=2` **1.40× [1.30, 1.50] over 2 pairs** (end to end 1.45× [1.40, 1.50] over "
+        "2 pairs); vs our synchronous mode **1.10× [1.00, 1.20] over 2 pairs** (end to end 1.25× [1.20, 1.30] over 2 "
+        "pairs); generation process ready 3.0 s after spawn, 23.0 s after training began"
+    ) in text
+    assert "imports done 1.1 s, model built 2.7 s, ready 3.0 s, first batch queued 32.0 s" in text
+    assert (
+        "Built and ready **3.0 s [2.8, 3.2] after spawn**. The trainer spawned it **20.0 s** after its first step "
+        "began, so it was ready 23.0 s after training began." in text
+    )
+    assert (
+        "per pair: 3, 2 (the `async/trainer_generated_batches` metric agrees); steps measured after it: 4, 4." in text
+    )
+    assert (
+        "`async/rows_per_decode` from the first step on a generation-process batch on: median 16 (the config "
+        "decodes 2 generation batches of 8 rows = 16 rows per call)" in text
+    )
     assert "≤ 0.12% (upper bound" in text  # timeline overhead: the larger share
     # the GPU check: pairs from the runs (50 / 20, 50 / 40: 'auto' chose 256 rows, matched by TRL's 8 steps), never
     # from a run that did not reach its steady state (128 rows per decode)
@@ -421,6 +525,13 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
     assert "≥ 3× TRL's default rows/s: best 2.50×" in text and "not met" in text
     assert "SM utilisation ≥ 50%: best 60% (`async/defaults`), met" in text
     assert "generator ready ≤ 10 s after spawn: 8.0 s (`async/defaults`), met" in text
+    # the docs-style script over seeds: async − TRL paired by seed, Student's t with n − 1 = 7 degrees of freedom
+    assert "+0.020 ± 0.023 (mean ± standard error over 8 seeds, 95% interval [-0.034, +0.074])" in text
+    assert (
+        "`AsyncGRPOTrainer` higher on 4 of 8 seeds, lower on 2. `GRPOTrainer` alone ranges from 0.380 to 0.460."
+        in text
+    )
+    assert "paired by seed: 1.50× [1.50, 1.50] over 8 pairs." in text
 
 
 def test_render_only_rewrites_only_the_readme_table(tmp_path):
@@ -490,6 +601,43 @@ def test_the_main_job_states_what_the_cores_allow_from_a_one_thread_run_of_the_s
     for unusable in (two_threads, other_machine):
         results, readme = rendered(unusable)
         assert "cores allow" not in results and "cores allow" not in readme
+
+
+def test_a_real_size_file_from_before_the_trl_arms_still_renders(tmp_path):
+    """The two-arm results (async and sync, `mode` per run) render as they did: sync / async per pair."""
+    write_results(tmp_path, FIXTURES)
+    (tmp_path / "results" / "bench_real_size.json").write_text(json.dumps(REAL_SIZE_TWO_ARMS))
+    proc = render_only(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "**1.20× [1.10, 1.30] over 2 pairs** (limit 1.30×)" in text
+    assert "9.99" not in text
+
+
+def test_the_main_job_seeds_section_links_its_picture_of_learning_at_equal_wall_time(tmp_path):
+    write_results(tmp_path, FIXTURES)
+    (tmp_path / "results" / "bench_main_job_seeds_equal_time.png").write_bytes(b"not really a PNG")
+    proc = render_only(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    section = text.split("## 5. The main job over seeds", 1)[1].split("\n## ", 1)[0]
+    assert "(the accuracy reached at equal wall time)](results/bench_main_job_seeds_equal_time.png)" in section
+
+
+def test_the_main_job_places_the_steps_its_timeline_did_not_keep_between_the_kept_ones():
+    """`bench_main_job.step_end_seconds`: the kept steps' ends from the track's start (0.5 s); steps 3 and 4, not
+    kept, on the line from step 2 (ending at 4.5 s) to step 5 (10.5 s): 6.5 and 8.5 s; step 6, after the last kept
+    one, on the line to the end of training (13 s)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_main_job_under_test", os.path.join(ROOT, "benchmarks",
+                                                      "bench_main_job.py"))  # fmt: skip
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    kept = [(None, 0.5, 0.8), (0, 0.8, 2.5), (1, 2.5, 5.0), (4, 8.5, 11.0)]
+    assert module.step_end_seconds(kept, last_step=6, train_seconds=13.0) == [2.0, 4.5, 6.5, 8.5, 10.5, 13.0]
 
 
 def test_a_missing_results_file_is_never_rendered_silently(tmp_path):
