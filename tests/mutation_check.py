@@ -64,6 +64,7 @@ BAD_INPUT_TEST = "tests/test_bad_inputs.py::test_bad_input_is_a_clear_error_and_
 AGENTIC_TEST = "tests/test_agentic.py"
 
 MULTI_BATCH_TEST = "tests/test_multi_batch_decode.py"
+TAKE_OVER_TEST = "test_a_generator_ready_while_the_trainer_trains_takes_over_at_the_next_batch"
 FAST_START_TEST = (
     "test_the_generation_process_builds_its_lora_copy_from_the_published_weights_without_a_copy_of_the_base"
 )
@@ -1462,6 +1463,42 @@ MUTATIONS = [
         '        window["decode_rows_sum"] += rows',
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss[blocks_of_2]",),
         "async/rows_per_decode logs the rows of each batch, not of the decode that sampled it",
+    ),
+    Mutation(
+        "queue_opened_a_batch_late_between_batches",
+        "trl_async/rollout/pipeline.py",
+        "        start = self._next_index + (1 if self._making_batch else 0)",
+        "        start = self._next_index + 1",
+        (f"tests/test_engine.py::{TAKE_OVER_TEST}",),
+        "a generation process ready while the trainer trains starts one batch late: a stream batch is never trained on",
+    ),
+    Mutation(
+        "queue_opened_only_when_the_trainer_asks",
+        "trl_async/rollout/pipeline.py",
+        "        if generates_while_starting:\n            self._opener = threading.Thread(",
+        "        if False:\n            self._opener = threading.Thread(",
+        (f"tests/test_engine.py::{TAKE_OVER_TEST}",),
+        "a ready generation process waits for the trainer's next batch request (half a minute at 0.5B on a CPU)",
+    ),
+    Mutation(
+        "batches_reserved_past_the_end_of_the_run",
+        "trl_async/rollout/queue.py",
+        "        return c.last_index >= 0 and index > c.last_index + c.evicted_items",
+        "        return False",
+        (
+            f"{MULTI_BATCH_TEST}::test_nothing_is_reserved_beyond_the_end_of_the_run_but_what_the_consumer_waits_for",
+            "tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss[blocks_of_2]",
+        ),
+        "the generation process decodes batches no step will train on, competing with the trainer's last steps",
+    ),
+    Mutation(
+        "fixed_staleness_waits_for_loads_past_the_end",
+        "trl_async/rollout/queue.py",
+        "        if loaded >= 0 and (self.min_generation_version(loaded) >= version or self._past_the_end(loaded)):",
+        "        if loaded >= 0 and self.min_generation_version(loaded) >= version:",
+        ("tests/test_fixed_staleness.py",),
+        "with fixed staleness the trainer's last publishes wait for loads the generation process never makes (a hang)",
+        timeout=240,
     ),
     Mutation(
         "cuda_graphs_on_a_cpu_accepted",

@@ -88,6 +88,12 @@ def test_no_row_older_than_max_staleness_reaches_a_loss(tmp_path, dataset, token
     generator = next(p["pid"] for p in timeline.analysis.processes(trace) if p["role"] == "generator")
     decoded = [e["args"]["rows"] for e in trace["traceEvents"] if e.get("pid") == generator and e["name"] == "decode"]
     assert decoded and max(decoded) == expected, decoded
+    # Nothing beyond the run's end: the generation process decoded the batches the schedule needed (one per
+    # generation batch whose first use comes before max_steps), and one more for each it had evicted.
+    g, a = args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps
+    needed = math.ceil(args.max_steps * a / g)
+    evicted_rows = sum(h.get("async/evicted", 0) for h in trainer.state.log_history)
+    assert sum(decoded) == needed * batch_rows + evicted_rows, (decoded, needed, evicted_rows)
 
 
 class _EpochEnd(TrainerCallback):
@@ -199,6 +205,48 @@ def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, datas
     made_by_trainer = from_trainer.index(False)
     assert made_by_trainer >= 1 and not any(from_trainer[made_by_trainer:])
     assert len(seen) - made_by_trainer >= 4
+
+
+class _TrainUntilTheQueueOpens(TrainerCallback):
+    """Keeps the first training step going (as a long step at 0.5B does) until the queue opens, which only the opener
+    thread can do while the trainer is not asking for a batch."""
+
+    def __init__(self, trainer):
+        self.trainer, self.opened_during_the_step = trainer, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            import time
+
+            deadline = time.time() + 60
+            while not self.trainer._rollout.queue.is_open and time.time() < deadline:
+                time.sleep(0.05)
+            self.opened_during_the_step = self.trainer._rollout.queue.is_open
+
+
+def test_a_generator_ready_while_the_trainer_trains_takes_over_at_the_next_batch(tmp_path, dataset, tokenizer,
+                                                                                 monkeypatch):  # fmt: skip
+    """The queue opens as soon as the generation process is ready, also in the middle of a training step: at the next
+    batch the trainer would have made itself (not one later, as while it makes one), so no stream batch is skipped or
+    trained twice, and the trainer makes no batch beyond the first."""
+    args = make_args(tmp_path, max_steps=6)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    seen: list[tuple[int, bool]] = []
+    next_batch = trainer._rollout.next_batch
+
+    def recording_next_batch(*args, **kwargs):
+        batch = next_batch(*args, **kwargs)
+        seen.append((batch.payload.stream_index, batch.from_trainer))
+        return batch
+
+    monkeypatch.setattr(trainer._rollout, "next_batch", recording_next_batch)
+    waiting = _TrainUntilTheQueueOpens(trainer)
+    trainer.add_callback(waiting)
+    trainer.train()
+    assert waiting.opened_during_the_step, "the queue did not open while the trainer was training"
+    assert seen == [(0, True)] + [(index, False) for index in range(1, 6)], seen
 
 
 # ----------------------------------------------------------------------------------------------- data sources

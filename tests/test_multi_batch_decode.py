@@ -145,6 +145,26 @@ def test_a_waiting_consumer_gets_the_admissible_part_of_a_block_at_once():
         queue.cleanup()
 
 
+def test_nothing_is_reserved_beyond_the_end_of_the_run_but_what_the_consumer_waits_for():
+    """`set_end(5)`: items 0..5 are all the consumer will need. The last block holds what is left (items 4 and 5 of a
+    block of 3), nothing after it is reserved, an eviction makes room for one more, and an item the consumer waits
+    for is admitted even past the end (a mispredicted end costs no deadlock)."""
+    queue = StalenessBoundedQueue(max_staleness=100, capacity=100, start_index=0)
+    queue.publish(0)
+    try:
+        queue.set_end(5)
+        assert queue.reserve_block(3, timeout=1.0)[:2] == (0, 3)
+        assert queue.reserve_block(3, timeout=1.0)[:2] == (3, 3)
+        with pytest.raises(TimeoutError):
+            queue.reserve_block(3, timeout=0.3)
+        queue._counters.evicted_items = 1  # one item was evicted: the consumer needs item 6 as well
+        assert queue.reserve_block(3, timeout=1.0)[:2] == (6, 1)
+        queue._counters.waiting_last_use, queue._counters.waiting_index = 7, 7
+        assert queue.reserve_block(3, timeout=1.0)[:2] == (7, 1)
+    finally:
+        queue.cleanup()
+
+
 def test_reserve_block_refuses_a_block_of_no_batches():
     queue = StalenessBoundedQueue(max_staleness=1, start_index=0)
     try:

@@ -94,3 +94,11 @@ def items_per_decode_within(max_staleness: int, capacity: int, micro_steps_per_i
     ):
         k += 1
     return k
+
+
+def items_first_used_before(
+    version: int, micro_steps_per_item: int, micro_steps_per_version: int, base: int = 0
+) -> int:
+    """How many generation batches, counted from the schedule's start at `base`, enter a loss before `version` is
+    reached: those whose first micro-step comes before version's first, ⌈(version − base)·a / g⌉."""
+    return max(0, -(-(version - base) * micro_steps_per_version // micro_steps_per_item))

@@ -253,6 +253,11 @@ def _generator_main(
             if control.stop_requested:
                 raise QueueClosed("stop requested")
 
+        if frozen_store is not None and frozen_store.version < 0:
+            # The trainer publishes the frozen weights on a thread beside its first steps (`_publish_frozen`).
+            waited = recorder.begin()
+            frozen_store.wait_for_version(0, on_wait=beat_or_stop)
+            recorder.end(span.WAIT_FOR_START_WEIGHTS, waited, span.WAIT)
         # The spec carries the context's model and sampling fields under the same names; the stores and the heartbeat
         # are this process's.
         shared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(BackendContext) if hasattr(spec, f.name)}

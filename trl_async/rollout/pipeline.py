@@ -27,11 +27,13 @@ import functools
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from ..schedule import items_first_used_before
 from ..timeline import current as timeline
 from ..timeline import names as span
 from .backends import generate_with_behaviour_logprobs, generation_config_for_rollouts
@@ -127,6 +129,13 @@ class RolloutPipeline:
         self._lending_hooks: list = []
         self._lending_counts = (0, 0)
         self._fallbacks_seen = self._fallbacks_logged = 0  # the generation process's eager-decoding fallbacks
+        # Where the trainer stands while it makes batches itself, read by the thread that opens the queue as soon as
+        # the generation process is ready (`_open_queue_when_ready`): both under `_switch`.
+        self._switch = threading.Lock()
+        self._making_batch = False
+        self._opener: threading.Thread | None = None
+        self._frozen_publisher: threading.Thread | None = None
+        self._frozen_error: BaseException | None = None
 
     @property
     def started(self) -> bool:
@@ -144,8 +153,12 @@ class RolloutPipeline:
         version: int,
         trainer_state=None,
         placement: Placement | None = None,
+        final_version: int | None = None,
     ) -> None:
         """Publish the start-up weights and spawn the generation process (returns at once).
+
+        `final_version`: the version training ends at (the trainer's `max_steps`): the generation process makes no
+        batch beyond the last one the schedule needs (`StalenessBoundedQueue.set_end`).
 
         `placement`: the trainer's torch threads from the generator's start, and whether the two processes lend each
         other their cores while they wait (see `placement`, `cores`); the thread count is restored on close. Under
@@ -172,7 +185,7 @@ class RolloutPipeline:
             raise ValueError("The model has no trainable parameters to publish to the generator.")
         self.frozen_store = SharedWeightStore(full_placeholders(frozen)) if frozen else None
         if self.frozen_store is not None:
-            self.frozen_store.publish(iter_full_parameters(frozen), version)
+            self._publish_frozen(frozen, version, in_background=sharding is None)
         self.trainable_store = SharedWeightStore(full_placeholders(trainable))
         self.trainable_store.publish(iter_full_parameters(trainable), version)
         self._trainable_names = [name for name, _ in trainable]
@@ -199,6 +212,9 @@ class RolloutPipeline:
         )
         self._janitor = SpoolJanitor(self.queue.spool_dir)
         self.queue.publish(version)
+        if final_version is not None and final_version > version:
+            g, a = settings.micro_steps_per_item, settings.micro_steps_per_version
+            self.queue.set_end(items_first_used_before(final_version, g, a, base=version) - 1)
         # The split applies from the spawn on, not from when the queue opens: the child's start-up (imports, model
         # build) keeps one core busy, and a trainer that kept every core would oversubscribe them, which costs far
         # more than the thread it gives up (OpenMP regions wait for their slowest thread; measured on 2 cores, a
@@ -223,6 +239,9 @@ class RolloutPipeline:
         self._spec = spec
         self._local = None
         self.process.start()
+        if generates_while_starting:
+            self._opener = threading.Thread(target=self._open_when_ready, daemon=True, name="trl-async-queue-opener")
+            self._opener.start()
         logger.info(
             "trl_async: generation process starting (%s) on %s (%d threads%s); %d trainable tensors (%.1f MiB) sync "
             "every %d step(s); %d generation batch(es) per decode",
@@ -237,6 +256,9 @@ class RolloutPipeline:
 
     def close(self) -> None:
         """Stop the generation process and free the queue's spool and the stores (idempotent)."""
+        if self._frozen_publisher is not None:
+            self._frozen_publisher.join()  # seconds at most; it reads the stores closed below
+            self._frozen_publisher = None
         for handle in self._lending_hooks:
             handle.remove()
         self._lending_hooks, self._lending = [], None
@@ -245,15 +267,51 @@ class RolloutPipeline:
             if self._trainer_threads is not None:
                 torch.set_num_threads(self._threads_before)
         if self.queue is not None:
-            self.queue.cleanup()
+            self.queue.cleanup()  # (also ends the opener thread: it stops once the queue is closed)
+        if self._opener is not None:
+            self._opener.join()
+            self._opener = None
         if self._janitor is not None:
             self._janitor.release()
         self.process = self.queue = self._janitor = self.frozen_store = self.trainable_store = self._local = None
         self._restored = None
 
     def check_health(self) -> None:
+        if self._frozen_error is not None:
+            raise RuntimeError("Publishing the start-up weights to the generation process failed.") from (
+                self._frozen_error
+            )
         if self.process is not None:
             self.process.check_health()
+
+    def _publish_frozen(self, frozen: list, version: int, in_background: bool) -> None:
+        """The weights the trainer never changes (a LoRA model's base: 2 GB at 0.5B in fp32) into their store: on
+        a thread, beside the trainer's first steps, unless gathering them takes collectives (FSDP2, ZeRO-3: every rank
+        in the same order, on the main thread). The generation process waits for them before building its model.
+        Touching the shared memory's pages for the first time is most of the cost (seconds per GB on the development
+        VM), and it was on the trainer's critical path before its first step."""
+        if not in_background:
+            self.frozen_store.publish(iter_full_parameters(frozen), version)
+            return
+        store, recorder = self.frozen_store, timeline()
+
+        def publish():
+            started = recorder.begin()
+            try:
+                store.publish(iter_full_parameters(frozen), version)
+            except BaseException as error:  # raised by `check_health` on the trainer's thread
+                self._frozen_error = error
+            recorder.add(span.PUBLISH_START_WEIGHTS, started, recorder.begin())
+
+        self._frozen_publisher = threading.Thread(target=publish, daemon=True, name="trl-async-publish-frozen")
+        self._frozen_publisher.start()
+
+    def _open_when_ready(self) -> None:
+        """The opener thread: opens the queue as soon as the generation process is ready, whatever the trainer is
+        doing (a training step at 0.5B on a CPU takes half a minute, in which a ready process would otherwise wait)."""
+        while self.queue is not None and not self.queue.closed and not self.queue.is_open:
+            self._open_queue_when_ready()
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------------------------------------ batches
     def next_batch(self, last_use_version: int, model: torch.nn.Module, current_version: int) -> RolloutBatch:
@@ -264,9 +322,11 @@ class RolloutPipeline:
         """
         self.check_health()
         while True:
-            if not self.queue.is_open and self.process.ready:
-                self._open_queue_when_ready()
-            elif self.queue.is_open:
+            with self._switch:  # the decision and `_making_batch` at once: the opener thread reads both
+                if not self.queue.is_open and self.process.ready:
+                    self._open_queue_locked()
+                self._making_batch = not self.queue.is_open
+            if not self._making_batch:
                 waited = timeline().begin()
                 item = self.queue.get(
                     last_use_version,
@@ -278,32 +338,44 @@ class RolloutPipeline:
                 batch = RolloutBatch(item.payload, item.version, item.staleness, from_trainer=False)
                 self._next_index = item.index + 1
                 break
-            with timeline().span(span.MAKE_BATCH):
-                batch = self._produce_locally(last_use_version, model, current_version)
+            try:
+                with timeline().span(span.MAKE_BATCH):
+                    batch = self._produce_locally(last_use_version, model, current_version)
+            finally:
+                with self._switch:
+                    self._next_index += 1
+                    self._making_batch = False
             staleness = self._agree(batch.staleness)
-            self._next_index += 1
             if staleness <= self.settings.max_staleness:
                 break
             self._window["evicted_rows"] += batch.payload.num_rows
-            if self.queue.is_open:
-                # The batch just before the queue's first: it shifts the gate's schedule as one of its own would.
-                self.queue.count_evicted_before_start()
-            else:
-                self._local_evicted_items += 1
+            with self._switch:
+                if self.queue.is_open:
+                    # A batch before the queue's first: it shifts the gate's schedule as one of its own would.
+                    self.queue.count_evicted_before_start()
+                else:
+                    self._local_evicted_items += 1
         self._record(batch)
         return batch
 
     def _open_queue_when_ready(self) -> None:
-        """Once the generation process is ready, open the queue one batch ahead of the batch the trainer is making
-        itself (`_next_index`): the process makes the next batch while the trainer makes and trains on this one, so
-        the switch does not wait for the process's first batch. Checked before each batch the trainer makes and at
-        every decoding step of it: a long batch (one completion running to max_completion_length) would otherwise
-        leave a ready process idle until the trainer next asks (2.3 s of the docs-style script's start-up)."""
+        """Once the generation process is ready, open the queue (`_open_queue_locked`); a no-op before and after."""
         if self.queue.is_open or self.process is None or not self.process.ready:
             return
-        self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)
+        with self._switch:
+            self._open_queue_locked()
+
+    def _open_queue_locked(self) -> None:
+        """Open the queue at the first batch the trainer has not started: the next one it would make, or, while it
+        makes one itself, the one after (the process makes that while the trainer makes and trains on its own, so the
+        switch never waits for the process's first batch). Called under `_switch`, by the opener thread as soon as the
+        process is ready and by `next_batch` before each batch."""
+        if self.queue.is_open:
+            return
+        start = self._next_index + (1 if self._making_batch else 0)
+        self.queue.open(start, evicted_before=self._local_evicted_items)
         logger.info("trl_async: generator (pid %s) ready after %.1fs; it starts at batch %d",
-                    self.process.pid, time.time() - self.process.started_at, self._next_index + 1)  # fmt: skip
+                    self.process.pid, time.time() - self.process.started_at, start)  # fmt: skip
 
     def _agree(self, staleness: int) -> int:
         return staleness if self.all_reduce_max is None else self.all_reduce_max(staleness)
@@ -320,7 +392,7 @@ class RolloutPipeline:
                 try:
                     out = generate_with_behaviour_logprobs(
                         model, [ids for b in batches for ids in b.prompt_ids], config, spec.eos_token_ids,
-                        spec.pad_token_id, device, heartbeat=self._open_queue_when_ready, ready=ready,
+                        spec.pad_token_id, device, ready=ready,
                         segments=[(len(b.prompt_ids), b.seed) for b in batches],
                     )  # fmt: skip
                     return out.split([len(b.prompt_ids) for b in batches])

@@ -68,6 +68,7 @@ _FIELDS = (
     "staleness_row_sum",  # C
     "staleness_max",  # C
     "trainer_wait_s",  # C
+    "last_index",  # C: the last item the consumer will need, were nothing evicted (-1: no end known); see `set_end`
     "reserved",  # P: next index the producer will generate (items reserved so far)
     "loaded",  # P: items whose generating weights the producer has loaded (see `mark_loaded`)
     "produced",  # P: items put (they are put in index order)
@@ -189,6 +190,7 @@ class StalenessBoundedQueue:
         c.waiting_index = -1
         c.reserved = -1
         c.loaded = -1
+        c.last_index = -1
         if start_index is not None:
             self.open(start_index)
 
@@ -230,7 +232,8 @@ class StalenessBoundedQueue:
         the block is within the bound (the gate of each item is the one `reserve` applies to it alone). `count` is
         `max_items`, except when the consumer is already waiting for the block's first item: then the items that are
         admissible right away, at least that one (a full block would keep a waiting trainer waiting longer, and the
-        gate's fallback for a mispredicted schedule applies to the awaited item only). Time spent here is the
+        gate's fallback for a mispredicted schedule applies to the awaited item only), and at the end of the run
+        (`set_end`), where the last block holds what is left. Time spent here is the
         generator's wait on the gate. `on_idle(True)` / `(False)` is called when the producer starts and stops
         blocking (see `cores`). `wait_for_weights=False` waits for room only: a producer that samples with weights
         loaded later (in-flight updates) waits for `min_version` itself, before its first sampled token.
@@ -249,7 +252,8 @@ class StalenessBoundedQueue:
                     first = int(c.reserved)
                     awaited = c.waiting_index == first
                     count, min_version = self._admissible(first, max_items, awaited, wait_for_weights)
-                    if count == max_items or (count and awaited):
+                    # A block cut short by the end of the run is whole: nothing after it will be needed.
+                    if count == max_items or (count and (awaited or self._past_the_end(first + count))):
                         c.reserved = first + count
                         return first, count, min_version
                 poller.wait()
@@ -269,9 +273,17 @@ class StalenessBoundedQueue:
                 needed = min(needed, int(c.waiting_last_use) - self.max_staleness)
             if index - c.consumed >= self.capacity or (wait_for_weights and c.published < needed):
                 break
+            if self._past_the_end(index) and not (index == first and awaited):
+                break
             count += 1
             min_version = needed if min_version is None else max(min_version, needed)
         return count, min_version
+
+    def _past_the_end(self, index: int) -> bool:
+        """Item `index` comes after the last one the consumer will need (`set_end`), evictions counted: generating it
+        would only compete with the trainer's last steps for the device."""
+        c = self._counters
+        return c.last_index >= 0 and index > c.last_index + c.evicted_items
 
     def _gate_state(self, index: int) -> str:
         c = self._counters
@@ -321,6 +333,11 @@ class StalenessBoundedQueue:
         c.loaded = start_index
         c.start_index = start_index
 
+    def set_end(self, last_index: int) -> None:
+        """The consumer will need items up to `last_index` (and one more for each item it evicts): the producer
+        reserves nothing beyond. A wrong end costs no deadlock: an item the consumer waits for is always admitted."""
+        self._counters.last_index = last_index
+
     def count_evicted_before_start(self) -> None:
         """An item produced elsewhere just before `start_index` (after `open`) was evicted: it shifts the gate's
         schedule as the `evicted_before` items of `open` do."""
@@ -362,7 +379,8 @@ class StalenessBoundedQueue:
                 if c.closed:
                     raise QueueClosed("the queue was closed")
                 loaded = int(c.loaded)
-                if loaded >= 0 and self.min_generation_version(loaded) >= version:
+                # Past the run's end the producer loads nothing more, and nothing there needs older weights.
+                if loaded >= 0 and (self.min_generation_version(loaded) >= version or self._past_the_end(loaded)):
                     return
                 poller.wait()
         finally:

@@ -19,6 +19,7 @@ SCORE = "score"  # TRL's scoring of a batch (`_generate_and_score_completions`: 
 FORWARD_BACKWARD = "forward + backward"
 OPTIMIZER_STEP = "optimizer step"
 PUBLISH_WEIGHTS = "publish weights"
+PUBLISH_START_WEIGHTS = "publish start-up weights"  # the frozen weights into their store, on a thread at the start
 WAIT_FOR_LOADS = "wait for loads"  # wait: fixed staleness holds the next publish until the generator loaded
 LOG = "log"
 SAVE_CHECKPOINT = "save checkpoint"
@@ -32,6 +33,7 @@ REWARDS = "rewards"
 TOOLS = "tools"  # tool calls and environment calls (factory, reset) of agentic runs (`rollout.agentic`)
 WRITE_BATCH = "write batch"  # pickling the payload into the queue's spool
 LOAD_WEIGHTS = "load weights"
+WAIT_FOR_START_WEIGHTS = "wait for start-up weights"  # wait: the trainer still publishes the frozen weights
 COMPILE_DECODE = "compile decode"  # capturing the CUDA graphs of the decode, before the generation process is ready
 STARTUP_SPAN = "start-up"  # spawn -> ready, category `startup`
 

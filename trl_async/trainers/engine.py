@@ -331,6 +331,7 @@ class AsyncRolloutMixin(ModelCardMixin):
                 version=self.state.global_step,
                 trainer_state=self.state,
                 placement=where,
+                final_version=self.state.max_steps,
             )
         return self._rollout.next_batch(
             self._last_use_version(), self._unwrap(self.model), current_version=self.state.global_step
