@@ -2,7 +2,8 @@
 `GRPOTrainer` (at its defaults, and with its own `steps_per_generation` matched) and against our synchronous mode.
 
     python benchmarks/bench_real_size.py                             # 1 round of the four arms, 16 steps each
-    python benchmarks/bench_real_size.py --pairs 3                   # the full measurement (~2 h on 2 cores)
+    python benchmarks/bench_real_size.py --pairs 2 --arms async,sync,trl          # at the defaults (~55 min)
+    python benchmarks/bench_real_size.py --pairs 2 --rows-per-decode 32           # 4 batches per decode (~70 min)
     python benchmarks/bench_real_size.py --pairs 1 --steps 3 --out /tmp/real_size.json   # a plumbing check
     python benchmarks/bench_real_size.py --shape small --steps 8 --out /tmp/real_size.json   # faster plumbing check
 
@@ -22,7 +23,8 @@ with OMP_NUM_THREADS and MKL_NUM_THREADS removed from the environment, so every 
 
 * `async`: `python recipes/qwen_math.py` with the config's LoRA, loss (M2PO), rewards and its default staleness bound:
   the generation process decodes `items_per_decode` generation batches per call (read from the config,
-  `trl_async.config.grpo.items_per_decode`: 2 for M2PO, with `max_staleness` derived as 3);
+  `trl_async.config.grpo.items_per_decode`: 1 at the defaults; with `--rows-per-decode 32`, 4 batches of 8 rows,
+  `max_staleness` derived as 7);
 * `sync`: the same command with `--async_generation false` (our synchronous mode: TRL's loop in the trainer);
 * `trl`: `benchmarks/real_size_grpo.py`, a plain TRL script of the same job: TRL's `GRPOTrainer` at its defaults (its
   loss, one `generate` call of 8 rows a step), the same model folder, LoRA, rows, forced length and text rewards of
@@ -113,8 +115,10 @@ def write_prompts(path: str) -> int:
     return len(rows)
 
 
-def recipe_config(model_dir: str, output_dir: str, steps: int, completion_length: int) -> str:
-    """The recipe's Qwen config with the benchmark's job (8 rows a step, forced completions, no evaluation)."""
+def recipe_config(model_dir: str, output_dir: str, steps: int, completion_length: int,
+                  rows_per_decode: int | None = None) -> str:  # fmt: skip
+    """The recipe's Qwen config with the benchmark's job (8 rows a step, forced completions, no evaluation);
+    `rows_per_decode`: the async arm's `max_rows_per_decode` (its bound derived for it), else the config's defaults."""
     import yaml
 
     settings = yaml.safe_load(open(QWEN_CONFIG))
@@ -125,6 +129,8 @@ def recipe_config(model_dir: str, output_dir: str, steps: int, completion_length
         max_completion_length=completion_length, generation_kwargs={"min_new_tokens": completion_length},
         warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
     )  # fmt: skip
+    if rows_per_decode is not None:
+        settings["max_rows_per_decode"] = rows_per_decode
     settings.pop("eval_split", None)
     settings.pop("eval_generation_batch_size", None)
     path = output_dir + "-config.yaml"
@@ -155,10 +161,10 @@ def run_env() -> dict:
 
 
 def run_once(arm: str, model_dir: str, data_file: str, output_dir: str, steps: int, completion_length: int,
-             items_per_decode: int, keep: str) -> dict:  # fmt: skip
+             items_per_decode: int, keep: str, rows_per_decode: int | None = None) -> dict:  # fmt: skip
     """One fresh process of `arm`; its figures (raises with the run's stderr if it fails)."""
     if arm in RECIPE_ARMS:
-        config = recipe_config(model_dir, output_dir, steps, completion_length)
+        config = recipe_config(model_dir, output_dir, steps, completion_length, rows_per_decode)
         command = [sys.executable, RECIPE, "--config", config, *RECIPE_ARMS[arm]]
     else:
         command = [sys.executable, TRL_SCRIPT, model_dir, data_file, output_dir, "--max-steps", str(steps),
@@ -254,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, among {','.join(ARMS)}; async "
                         "is required (the steady state starts from its generation process's first batch)")  # fmt: skip
     parser.add_argument("--completion-length", type=int, default=64, help="forced completion length (tokens)")
+    parser.add_argument("--rows-per-decode", type=int, default=None,
+                        help="the async (and sync) arm's max_rows_per_decode, its bound derived for it (default: the "
+                        "config's defaults, one generation batch per decode); trl_spg matches it")  # fmt: skip
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
                         help="the architecture: 0.5b (the measurement) or small (a plumbing check)")  # fmt: skip
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_real_size.json"))
@@ -272,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_file = os.path.join(tmp, "prompts.jsonl")
         prompts = write_prompts(data_file)
         schedule = async_schedule(recipe_config(model_dir, os.path.join(tmp, "probe"), args.steps,
-                                                args.completion_length))  # fmt: skip
+                                                args.completion_length, args.rows_per_decode))  # fmt: skip
         print(f"model: {parameters:,} parameters (random weights, {args.shape}), Qwen's tokenizer, {prompts} prompts;"
               f" the async arm decodes {schedule['items_per_decode']} generation batch(es) of "
               f"{schedule['rows_per_generation_batch']} rows per call, max_staleness {schedule['max_staleness']}",
@@ -282,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
             for position, arm in enumerate(order):
                 keep = os.path.splitext(args.out)[0] + f".pair{pair}-{arm}.timeline.json"
                 run = run_once(arm, model_dir, data_file, os.path.join(tmp, f"pair{pair}-{arm}"), args.steps,
-                               args.completion_length, schedule["items_per_decode"], keep)  # fmt: skip
+                               args.completion_length, schedule["items_per_decode"], keep,
+                               args.rows_per_decode)  # fmt: skip
                 run.update(pair=pair, position=position)
                 runs.append(run)
                 line = (f"pair {pair} {arm:7s}: training {run['train_seconds']:.0f} s, step median "
@@ -296,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "command": f"python benchmarks/bench_real_size.py --pairs {args.pairs} --steps {args.steps} "
         f"--completion-length {args.completion_length} --arms {','.join(arms)}"
+        + (f" --rows-per-decode {args.rows_per_decode}" if args.rows_per_decode else "")
         + (f" --shape {args.shape}" if args.shape != "0.5b" else ""),
         "settings": {"steps": args.steps, "rows_per_step": ROWS_PER_STEP, "prompts_per_step": ROWS_PER_STEP //
                      NUM_GENERATIONS, "completion_length": args.completion_length, "shape": args.shape,

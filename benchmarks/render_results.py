@@ -1426,8 +1426,8 @@ def render_real_size(section: Section) -> str:
         f"{settings.get('rows_per_step')} rows a step, completions forced to {settings.get('completion_length')} "
         f"tokens, {settings.get('steps')} steps per run. Arms, in fresh processes, order alternating from pair to "
         "pair, all with OMP_NUM_THREADS and MKL_NUM_THREADS removed (every arm on every core): `async`, the recipe "
-        f"(`python recipes/qwen_math.py`, M2PO, {k} generation batch{'es' if k > 1 else ''} decoded per call, "
-        f"max_staleness {settings.get('max_staleness')}); `sync`, {labels['sync']}; `trl`, {labels['trl']} "
+        f"(`python recipes/qwen_math.py`, M2PO, {real_size_decode(settings)}); `sync`, {labels['sync']}; `trl`, "
+        f"{labels['trl']} "
         "(`benchmarks/real_size_grpo.py`, a plain TRL script of the same job: TRL's loss, one `generate` call a "
         f"step); `trl_spg`, the same with TRL's own `steps_per_generation={k}` (one `generate` call of as many rows "
         "as the asynchronous run decodes per call).",
@@ -1474,6 +1474,14 @@ def render_real_size(section: Section) -> str:
     return "\n".join(out)
 
 
+def real_size_decode(settings: dict) -> str:
+    """How the asynchronous arm decodes: its defaults, or the `max_rows_per_decode` the run chose, and the bound."""
+    k, rows = settings["items_per_decode"], settings.get("max_rows_per_decode")
+    chosen = f"`--max_rows_per_decode {rows}`: " if isinstance(rows, int) else "at its defaults: "
+    return (f"{chosen}{k} generation batch{'es' if k > 1 else ''} decoded per call, max_staleness "
+            f"{settings.get('max_staleness')}")  # fmt: skip
+
+
 def summary_real_size(section: Section) -> list[Row]:
     data = section.first
     if not any("arm" in run for run in data["runs"]):
@@ -1489,7 +1497,7 @@ def summary_real_size(section: Section) -> list[Row]:
     what = (
         "The recipe's Qwen config at real size (Qwen2.5-0.5B architecture, random weights, LoRA r=8, 2 CPU cores, "
         "64-token completions): `AsyncGRPOTrainer`'s steady-state step time against TRL's `GRPOTrainer`, TRL with "
-        "its `steps_per_generation` matched, and our synchronous mode"
+        f"its `steps_per_generation` matched, and our synchronous mode; async {real_size_decode(data['settings'])}"
     )
     extra = f"; generation process ready {statistics.median(ready):.1f} s after spawn" if ready else ""
     after_start = [r for p in real_size_pairs(data) if (r := real_size_ready_after_training_start(p["async"]))]

@@ -241,8 +241,25 @@ REGISTRY: list[Benchmark] = [
         {
             "smoke": "{python} benchmarks/bench_real_size.py --steps 4 --completion-length 8 --shape small "
             "--out {results}/bench_real_size.json",
-            # four arms (async, sync, TRL, TRL with steps_per_generation matched), 16 steps each (~2 h on 2 cores)
-            "full": "{python} benchmarks/bench_real_size.py --pairs 3 --out {results}/bench_real_size.json",
+            # at the defaults (one generation batch per decode: TRL with steps_per_generation matched is TRL itself),
+            # 16 steps each (~55 min on 2 cores)
+            "full": "{python} benchmarks/bench_real_size.py --pairs 2 --arms async,sync,trl "
+            "--out {results}/bench_real_size.json",
+        },
+        R.render_real_size,
+        R.summary_real_size,
+        env=NO_THREAD_SETTINGS,
+    ),
+    Benchmark(
+        "real_size_rows32",
+        "The same, the asynchronous run decoding 32 rows (4 generation batches) per call",
+        "bench_real_size_rows32.json",
+        {
+            "smoke": "{python} benchmarks/bench_real_size.py --steps 4 --completion-length 8 --shape small "
+            "--rows-per-decode 16 --out {results}/bench_real_size_rows32.json",
+            # four arms, the async and sync ones with max_rows_per_decode=32, TRL's steps_per_generation=4 (~70 min)
+            "full": "{python} benchmarks/bench_real_size.py --pairs 2 --rows-per-decode 32 "
+            "--out {results}/bench_real_size_rows32.json",
         },
         R.render_real_size,
         R.summary_real_size,

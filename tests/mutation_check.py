@@ -1382,12 +1382,12 @@ MUTATIONS = [
         "the derived bound is the one-batch bound, so the blocks the rows ask for never fit in it",
     ),
     Mutation(
-        "m2po_default_one_batch_per_decode",
+        "default_decodes_two_batches",
         "trl_async/config/grpo.py",
-        'DEFAULT_ITEMS_PER_DECODE = {"m2po": 2}',
-        'DEFAULT_ITEMS_PER_DECODE = {"m2po": 1}',
+        "DEFAULT_ITEMS_PER_DECODE = 1",
+        "DEFAULT_ITEMS_PER_DECODE = 2",
         (f"{MULTI_BATCH_TEST}::test_the_bound_and_the_batches_per_decode_a_config_gets",),
-        "M2PO's default decodes one generation batch per call (the device stays as empty as before)",
+        "the default decodes two generation batches per call, at a bound that cost the main job accuracy",
     ),
     Mutation(
         "agentic_runs_decode_blocks",

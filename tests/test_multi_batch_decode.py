@@ -187,19 +187,21 @@ def _config(tmp_path, **overrides):
 @pytest.mark.parametrize(
     ("overrides", "bound", "items"),
     [
-        (dict(loss_type="dapo"), 1, 1),  # TRL's losses: one batch per decode, the bound since wave 1
-        (dict(loss_type="m2po"), 3, 2),  # M2PO: two batches per decode, bound 2·2 − 1
+        (dict(loss_type="dapo"), 1, 1),  # one batch per decode by default, the bound since wave 1
+        (dict(loss_type="m2po"), 1, 1),  # M2PO too (blocks of 2 cost the main job accuracy: docs/staleness.md)
         (dict(loss_type="dapo", max_rows_per_decode=32), 7, 4),  # the user's rows: 4 batches of 8, bound 2·4 − 1
         (dict(loss_type="m2po", max_staleness=8), 8, 4),  # the user's bound admits blocks of 4 (2·5 − 1 = 9 > 8)
         (dict(loss_type="m2po", max_staleness=8, max_rows_per_decode=16), 8, 2),  # ... capped by the rows
         (dict(loss_type="m2po", max_staleness=2), 2, 1),  # a bound of 2 keeps blocks of 1
         (dict(loss_type="m2po", fixed_staleness=4), 4, 1),  # fixed staleness: each batch with its own weights
-        (dict(loss_type="m2po", async_generation=False), 3, 1),  # synchronous: TRL's generation, one batch
-        # steps_per_generation=2 (gradient_accumulation_steps=1): a batch is trained on across 2 steps; M2PO's
-        # block of 2 needs 2·2·2 + ... = 6 (`pipelined_max_staleness(2, 2, 1)`).
-        (dict(loss_type="m2po", steps_per_generation=2), 6, 2),
+        (dict(loss_type="m2po", async_generation=False), 1, 1),  # synchronous: TRL's generation, one batch
+        # steps_per_generation=2 (gradient_accumulation_steps=1): a batch is trained on across 2 steps, so even one
+        # batch per decode needs 2; a block of 2 batches (16 rows each) needs 6 (`pipelined_max_staleness(2, 2, 1)`).
+        (dict(loss_type="m2po", steps_per_generation=2), 2, 1),
+        (dict(loss_type="m2po", steps_per_generation=2, max_rows_per_decode=32), 6, 2),
     ],
-    ids=["dapo", "m2po", "rows_set", "bound_set", "bound_and_rows_set", "small_bound", "fixed", "sync", "spg2"],
+    ids=["dapo", "m2po", "rows_set", "bound_set", "bound_and_rows_set", "small_bound", "fixed", "sync", "spg2",
+         "spg2_rows_set"],
 )
 def test_the_bound_and_the_batches_per_decode_a_config_gets(tmp_path, overrides, bound, items):
     args = _config(tmp_path, **overrides)
@@ -209,14 +211,14 @@ def test_the_bound_and_the_batches_per_decode_a_config_gets(tmp_path, overrides,
 
 def test_an_agentic_run_decodes_one_batch_at_a_time(tmp_path):
     """TRL's multi-turn loop samples one batch's turns in several calls: blocks do not apply (the bound stays)."""
-    args = _config(tmp_path, loss_type="m2po")
+    args = _config(tmp_path, loss_type="m2po", max_rows_per_decode=16)
     assert items_per_decode(args, agentic=True) == 1
 
 
 def test_rows_per_decode_from_the_command_line_is_an_integer(tmp_path):
     """`--max_rows_per_decode 32` arrives as the string '32' (HfArgumentParser parses the field as str)."""
     args = _config(tmp_path, loss_type="m2po", max_rows_per_decode="32")
-    assert args.max_rows_per_decode == 32 and items_per_decode(args) == 4
+    assert args.max_rows_per_decode == 32 and items_per_decode(args) == 4 and args.max_staleness == 7
 
 
 # ------------------------------------------------------------------------------------------------------ sampling

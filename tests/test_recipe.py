@@ -83,8 +83,7 @@ def test_qwen_config_parses_to_the_real_setup():
     assert set(model_args.lora_target_modules) == QWEN_PROJECTIONS
     assert recipe.dataset == "openai/gsm8k" and recipe.eval_split == "test"
     assert recipe.reward == "tensor" and recipe.format_reward and args.reward_weights == [1.0, 0.2]
-    # M2PO's default bound: two generation batches per decode while the trainer trains on the previous two.
-    assert args.loss_type == "m2po" and args.max_staleness == 3 and args.async_generation
+    assert args.loss_type == "m2po" and args.max_staleness == 1 and args.async_generation
     assert args.learning_rate == 5e-5
     import yaml
 
@@ -112,7 +111,7 @@ def test_qwen_config_memory_estimate_matches_the_architecture():
     assert f"{kv_bytes_per_token:,} B" in text
     settings = yaml.safe_load(text)
     rows, completion = settings["per_device_train_batch_size"], settings["max_completion_length"]
-    # The generator decodes several generation batches per call (M2PO's default: 2): its rows per decode.
+    # The rows of one decode (several generation batches where `max_rows_per_decode` asks for them; one by default).
     generation_rows = (
         rows
         * settings["steps_per_generation"]

@@ -431,6 +431,11 @@ FIXTURES = {
         ],
     },
 }
+# The same four arms, the asynchronous run with a `max_rows_per_decode` of its own (its bound derived for it).
+FIXTURES["real_size_rows32"] = {
+    **FIXTURES["real_size"],
+    "settings": {**FIXTURES["real_size"]["settings"], "max_rows_per_decode": 16},
+}
 
 README = "# Project\n\nIntro.\n\n{start}\nold table\n{end}\n\n## After\n\nUnchanged text.\n"
 
@@ -514,6 +519,9 @@ def test_render_only_renders_every_section_from_the_per_run_records(tmp_path):
         "`async/rows_per_decode` from the first step on a generation-process batch on: median 16 (the config "
         "decodes 2 generation batches of 8 rows = 16 rows per call)" in text
     )
+    # how the asynchronous arm decodes: the config's defaults, or the rows the run chose
+    assert "M2PO, at its defaults: 2 generation batches decoded per call, max_staleness 3" in text
+    assert "async `--max_rows_per_decode 16`: 2 generation batches decoded per call, max_staleness 3" in text
     assert "≤ 0.12% (upper bound" in text  # timeline overhead: the larger share
     # the GPU check: pairs from the runs (50 / 20, 50 / 40: 'auto' chose 256 rows, matched by TRL's 8 steps), never
     # from a run that did not reach its steady state (128 rows per decode)

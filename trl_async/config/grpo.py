@@ -24,11 +24,13 @@ CUDA_GRAPH_SETTINGS = ("auto", "on", "off")
 # shape decodes 32 rows at 2x the rows/s of 8 and 64 at 2.2x, the bundled model 256 at 1.6x the rows/s of 64
 # (docs/staleness.md#rows-per-decode). Beyond a few hundred rows the KV cache, not the launches, sets the cost.
 AUTO_MAX_ROWS_PER_DECODE = 256
-# The default bound per loss, as generation batches decoded per call with the pipeline full
-# (`schedule.pipelined_max_staleness`): 1 batch for TRL's losses (batch n+1 generated while batch n trains, the
-# bound since wave 1), 2 for M2PO, whose masking keeps learning at staleness 2-3 (the staleness study: held-out
-# accuracy 0.575 at k = 1, 0.567 at k = 2, 0.539 at k = 4; dapo with TRL's correction 0.575, 0.515, 0.344).
-DEFAULT_ITEMS_PER_DECODE = {"m2po": 2}
+# With `max_staleness` and `max_rows_per_decode` both left to their defaults, the bound is made for one generation
+# batch per decode (batch n+1 generated while batch n trains, the bound since wave 1), whatever the loss: blocks of 2
+# (bound 3) cost the main job (M2PO) held-out accuracy, async - sync -0.049 +- 0.020 over 12 seeds (95% interval
+# [-0.094, -0.004], benchmarks/results/bench_main_job_seeds_block2.json), where TRL's loss with its correction
+# already fell at a fixed staleness of 2 to 4 (docs/staleness.md#rows-per-decode). Larger decodes are a choice:
+# `max_rows_per_decode`, or a larger `max_staleness`, which "auto" then fills.
+DEFAULT_ITEMS_PER_DECODE = 1
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (*TRL_LOSS_TYPES, "m2po")
 
@@ -55,13 +57,12 @@ class AsyncGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Largest staleness (in optimizer steps) a row may have when it enters a loss. 0 is on-policy "
-            "(generation waits for every update). Default (None): the smallest value that lets the generator decode "
-            "its next block of generation batches while the trainer trains on the current one. For TRL's losses a "
-            "block is one batch: 1 when each generation batch is used within one optimizer step (TRL's default "
-            "schedule), more when the schedule trains on a batch across several optimizer steps "
-            "(steps_per_generation > gradient_accumulation_steps, or num_iterations > 1). For loss_type='m2po' a "
-            "block is two batches (3 on TRL's default schedule), which M2PO learns as well with. An integer "
-            "max_rows_per_decode sets the block instead (docs/staleness.md)."
+            "(generation waits for every update). Default (None): the smallest value that lets the generator produce "
+            "the next generation batch while the trainer trains on the current one: 1 when each generation batch is "
+            "used within one optimizer step (TRL's default schedule), more when the schedule trains on a batch across "
+            "several optimizer steps (steps_per_generation > gradient_accumulation_steps, or num_iterations > 1). "
+            "With an integer max_rows_per_decode, the smallest value that lets the generator decode that many rows "
+            "while the trainer trains on the previous ones (docs/staleness.md#rows-per-decode)."
         },
     )
     queue_capacity: int | None = field(
@@ -78,10 +79,11 @@ class AsyncGRPOConfig(GRPOConfig):
             "help": "Most rows the generation process decodes in one backend call. It decodes the prompts of several "
             "generation batches at once, as many as the staleness bound admits with the pipeline full (the block it "
             "decodes while the trainer trains on the previous one), then hands them out batch by batch, each tagged "
-            "with the weights version that sampled it and sampled from its own seed. 'auto': up to 256 rows. An "
-            "integer (at least one generation batch's rows on this rank): up to that many; with max_staleness unset, "
-            "the bound is derived so that blocks of that size keep the pipeline full (docs/staleness.md). Logged as "
-            "async/rows_per_decode."
+            "with the weights version that sampled it and sampled from its own seed. 'auto': as many as max_staleness "
+            "admits, up to 256 rows (one generation batch with the default bound). An integer (at least one "
+            "generation batch's rows on this rank): up to that many; with max_staleness unset, the bound is derived "
+            "so that blocks of that size keep the pipeline full, which makes rows staler (docs/staleness.md). Logged "
+            "as async/rows_per_decode."
         },
     )
     generation_cuda_graphs: str = field(
@@ -333,14 +335,13 @@ def rows_per_generation_batch(args) -> int | None:
 
 
 def _wanted_items_per_decode(args) -> int:
-    """Generation batches per decode that the derived bound is made for: the user's `max_rows_per_decode` in batches,
-    or with 'auto' the loss's default (`DEFAULT_ITEMS_PER_DECODE`), within `AUTO_MAX_ROWS_PER_DECODE`."""
+    """Generation batches per decode that the derived bound is made for: the user's `max_rows_per_decode` in whole
+    batches, or with 'auto' `DEFAULT_ITEMS_PER_DECODE`."""
     rows = rows_per_generation_batch(args)
     cap = args.max_rows_per_decode
     if isinstance(cap, int) and not isinstance(cap, bool) and rows:
         return max(1, cap // rows)
-    wanted = DEFAULT_ITEMS_PER_DECODE.get(args.loss_type, 1)
-    return max(1, min(wanted, AUTO_MAX_ROWS_PER_DECODE // rows)) if rows else 1
+    return DEFAULT_ITEMS_PER_DECODE
 
 
 def items_per_decode(args, agentic: bool = False) -> int:
