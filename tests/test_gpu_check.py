@@ -266,9 +266,9 @@ def test_the_launcher_keeps_to_its_budget_and_records_dmon_for_the_whole_check(t
     assert "out of the check's time budget (25s)" in sections["throughput"]["skipped"]
     for name in ("m2po_cuda", "loss_timing", "reward_sync", "sharded", "main_command"):
         section = sections[name]
-        assert section["skipped"] == "no CUDA device" or "out of the check's time budget" in section["skipped"], (
-            section
-        )
+        # which of the two depends on how long the env section took: either way the section says why it did not run
+        skipped = section["skipped"]
+        assert skipped.startswith("no CUDA device") or "out of the check's time budget" in skipped, section
         assert summary["ok"][name] is None
     lines = (out / "dmon.txt").read_text().splitlines()
     assert lines[0].startswith("#Date") and len(lines) > 2
@@ -315,8 +315,9 @@ def test_the_gpu_check_script_runs_on_the_cpu(tmp_path):
     # generator's start-up phases and its timeline kept.
     throughput = sections["throughput"]
     runs = throughput["runs"]
-    assert {"trl/defaults", "async/defaults", "trl/steps_per_generation=2"} <= set(runs)
-    for name, run in runs.items():
+    measured = {name: run for name, run in runs.items() if "same_as" not in run}  # a sweep point 'auto' already ran
+    assert {"trl/defaults", "async/defaults", "trl/steps_per_generation=2"} <= set(measured)
+    for name, run in measured.items():
         assert run["steady_state"] and run["steps"] >= run["stop_rule"]["min_steps"], (name, run)
     generator = runs["async/defaults"]
     assert generator["max_staleness"] is not None

@@ -96,7 +96,7 @@ def test_the_control_compares_with_weights_other_than_the_tagged_ones():
     """The μ check's control (`control_version`): for each tagged version, the kept version whose weights differ most
     from it, never the tagged version itself, nor a version that kept the same weights. The case one GPU rank met:
     the first step left the policy as it was (version 1 = version 0), then training moved it."""
-    from tests.support.weights import control_version
+    from tests.support.weights import control_candidates, control_version
 
     def weights(value: float) -> dict[str, torch.Tensor]:
         return {"a.weight": torch.full((2, 3), value), "b.bias": torch.zeros(3)}
@@ -108,6 +108,11 @@ def test_the_control_compares_with_weights_other_than_the_tagged_ones():
     assert control_version(3, kept) == (2, 1.25)
     # two versions of equal weights and nothing else: the difference is 0, which check_ranks refuses
     assert control_version(1, {0: weights(1.0), 1: weights(1.0)}) == (0, 0.0)
+    # The candidates the control measures μ under (keeping the one that moves it most): the farthest in weights, then
+    # the first and the last other versions, each once, with their weight differences.
+    assert control_candidates(2, kept) == [(3, 1.25), (0, 0.5)]
+    assert control_candidates(0, kept) == [(3, 0.75), (1, 0.0)]
+    assert control_candidates(1, kept) == [(3, 0.75), (0, 0.0)]
     with pytest.raises(ValueError, match="no other version"):
         control_version(0, {0: weights(1.0)})
 

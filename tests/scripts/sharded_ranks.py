@@ -27,7 +27,7 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from tests.support.weights import control_version, read_copy
+from tests.support.weights import control_candidates, read_copy
 from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl_async.rollout.gather import is_dtensor, is_zero3_parameter, model_sharding
 from trl_async.toy import make_arithmetic_dataset, tiny_model_path
@@ -147,14 +147,17 @@ class TracingTrainer(AsyncGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
     def compute_controls(self) -> None:
-        """After training, when every version's weights are kept: each traced batch's μ against the weights of the
-        version farthest from its tagged one (`control_version`). A control must be able to fail, so it never compares
-        with the tagged weights, nor with a version whose weights equal them."""
+        """After training, when every version's weights are kept: each traced batch's μ against the weights of
+        another version (`control_candidates`: the farthest in weights, the first, the last), the one that moves the
+        batch's log-probs most. A control must be able to fail, so it never compares with the tagged weights, nor with
+        a version whose weights equal them."""
         for inputs, version in zip(self.traced_batches, self.tagged_versions, strict=True):
-            other, weight_gap = control_version(version, self.whole_weights)
-            self.control_versions.append(other)
-            self.control_weight_gaps.append(weight_gap)
-            self.control_gaps.append(self._mu_gap(inputs, other))
+            candidates = control_candidates(version, self.whole_weights)
+            gaps = [self._mu_gap(inputs, other) for other, _ in candidates]
+            best = max(range(len(candidates)), key=gaps.__getitem__)
+            self.control_versions.append(candidates[best][0])
+            self.control_weight_gaps.append(candidates[best][1])
+            self.control_gaps.append(gaps[best])
 
 
 def main():
