@@ -80,8 +80,8 @@ MUTATIONS = [
     Mutation(
         "tag_with_newest_version_at_put",
         "trl_async/rollout/generator.py",
-        "rollout_queue.put(index, version, payload",
-        "rollout_queue.put(index, trainable_store.version, payload",
+        "rollout_queue.put(first + offset, version, payload",
+        "rollout_queue.put(first + offset, trainable_store.version, payload",
         ("tests/test_engine.py::test_no_row_older_than_max_staleness_reaches_a_loss",),
         "rows tagged with the newest published version instead of the one that generated them",
     ),
@@ -115,8 +115,8 @@ MUTATIONS = [
     Mutation(
         "gate_open",
         "trl_async/rollout/queue.py",
-        "(c.published >= min_version or not wait_for_weights):",
-        "(True or not wait_for_weights):",
+        "(wait_for_weights and c.published < needed)",
+        "(wait_for_weights and False)",
         ("tests/test_queue.py",),
         "the producer generates without waiting for recent enough weights",
     ),
@@ -683,9 +683,9 @@ MUTATIONS = [
     Mutation(
         "switch_repeats_a_batch",
         "trl_async/rollout/pipeline.py",
-        "self.queue.open(self._next_index + 1, evicted_before=self._local_evicted_items)",
-        "self.queue.open(self._next_index, evicted_before=self._local_evicted_items)",
-        ("tests/test_engine.py::test_start_up_switch_trains_every_stream_batch_once_in_order",),
+        "start = self._next_index + (1 if self._making_batch else 0)",
+        "start = self._next_index",
+        ("tests/test_engine.py::test_a_generator_ready_while_the_trainer_makes_a_batch_takes_over_one_batch_later",),
         "at the start-up switch the generation process makes the batch the trainer is making (trained twice)",
     ),
     # --------------------------------------------------------------------------------------- benchmarks/RESULTS.md
@@ -1357,7 +1357,7 @@ MUTATIONS = [
     Mutation(
         "block_reserved_as_soon_as_part_of_it_is_admissible",
         "trl_async/rollout/queue.py",
-        "                    if count == max_items or (count and awaited):",
+        "                    if count == max_items or (count and (awaited or self._past_the_end(first + count))):",
         "                    if count:",
         (f"{MULTI_BATCH_TEST}::test_a_block_is_reserved_whole_when_every_batch_of_it_is_admissible",),
         "the generator decodes whatever part of a block is admissible, so blocks shrink to one batch when it runs ahead",

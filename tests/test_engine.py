@@ -249,6 +249,41 @@ def test_a_generator_ready_while_the_trainer_trains_takes_over_at_the_next_batch
     assert seen == [(0, True)] + [(index, False) for index in range(1, 6)], seen
 
 
+def test_a_generator_ready_while_the_trainer_makes_a_batch_takes_over_one_batch_later(tmp_path, dataset, tokenizer,
+                                                                                     monkeypatch):  # fmt: skip
+    """The queue opens while the trainer makes its first batch itself (its own generation is slow, as at 0.5B): the
+    process starts at the batch after the one the trainer is making, so the trainer's batch is not made twice, and
+    the trainer makes no batch beyond it."""
+    args = make_args(tmp_path, max_steps=6)
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    seen: list[tuple[int, bool]] = []
+    opened_while_making: list[bool] = []
+    pipeline = trainer._rollout
+    next_batch, produce_locally = pipeline.next_batch, pipeline._produce_locally
+
+    def recording_next_batch(*args, **kwargs):
+        batch = next_batch(*args, **kwargs)
+        seen.append((batch.payload.stream_index, batch.from_trainer))
+        return batch
+
+    def slow_produce_locally(*args, **kwargs):
+        import time
+
+        deadline = time.time() + 60  # the first batch is made until the opener thread has opened the queue
+        while not opened_while_making and not pipeline.queue.is_open and time.time() < deadline:
+            time.sleep(0.05)
+        opened_while_making.append(pipeline.queue.is_open)
+        return produce_locally(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "next_batch", recording_next_batch)
+    monkeypatch.setattr(pipeline, "_produce_locally", slow_produce_locally)
+    trainer.train()
+    assert opened_while_making == [True], "the queue did not open while the trainer made its batch"
+    assert seen == [(0, True)] + [(index, False) for index in range(1, 6)], seen
+
+
 # ----------------------------------------------------------------------------------------------- data sources
 def test_iterable_dataset_trains_asynchronously(tmp_path, dataset, tokenizer):
     streaming = dataset.to_iterable_dataset(num_shards=2)
