@@ -1,12 +1,13 @@
 """Mutation check: every guarantee the project claims has a test that fails when the guarantee is broken.
 
-    python tests/mutation_check.py              # every mutation (about 15-25 minutes on 2 cores)
+    python tests/mutation_check.py              # every mutation, one at a time (about 40 minutes on 2 cores)
+    python tests/mutation_check.py --jobs 2     # two mutants at once, each in its own copy (CI's command)
     python tests/mutation_check.py --list       # the mutations and the tests that guard them
     python tests/mutation_check.py --only eviction_off,seqlock_no_recheck
 
 Each mutation is a small, plausible bug, written as an exact text replacement in one file (the replaced text must occur
-exactly once, so a refactor that removes it fails this script loudly instead of silently testing nothing). For each
-one, the repository is copied to a temporary directory, the mutation applied there, and the tests that guard the
+exactly once, so a refactor that removes it fails this script loudly, before any mutant runs, instead of silently
+testing nothing). For each one, the repository is copied to a temporary directory, the mutation applied there, and the tests that guard the
 behaviour are run against the copy. A mutation that leaves its tests green SURVIVES: a missing test. The script exits
 non-zero if any mutation survives. Reading the list below tells what each test is for.
 """
@@ -14,6 +15,7 @@ non-zero if any mutation survives. Reading the list below tells what each test i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -1659,14 +1661,19 @@ def copy_repository(destination: str) -> None:
     shutil.copytree(ROOT, destination, ignore=ignore, dirs_exist_ok=True)
 
 
-def apply(mutation: Mutation, root: str) -> None:
-    path = os.path.join(root, mutation.path)
-    with open(path) as f:
+def check_text(mutation: Mutation, root: str) -> str:
+    """The mutated file's text; exits when the text to replace does not occur exactly once."""
+    with open(os.path.join(root, mutation.path)) as f:
         text = f.read()
     count = text.count(mutation.old)
     if count != 1:
         raise SystemExit(f"mutation {mutation.name}: the text to replace occurs {count} times in {mutation.path}")
-    text = text.replace(mutation.old, mutation.new)
+    return text
+
+
+def apply(mutation: Mutation, root: str) -> None:
+    path = os.path.join(root, mutation.path)
+    text = check_text(mutation, root).replace(mutation.old, mutation.new)
     if path.endswith(".py"):
         compile(text, path, "exec")  # a mutant must be valid Python: a syntax error would 'kill' it trivially
     with open(path, "w") as f:
@@ -1692,6 +1699,7 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--only", help="comma-separated mutation names")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mutation")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants tested at once (default: 1)")
     args = parser.parse_args(argv)
     mutations = MUTATIONS
     if args.only:
@@ -1707,16 +1715,28 @@ def main(argv=None) -> int:
     survivors = []
     with tempfile.TemporaryDirectory(prefix="trl_async-mutants-") as pristine:
         copy_repository(pristine)
-        for m in mutations:
+        for m in mutations:  # every text checked before the first mutant runs
+            check_text(m, pristine)
+
+        def test_mutant(m: Mutation) -> tuple[bool, str, float]:
             start = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as root:
                 shutil.copytree(pristine, root, dirs_exist_ok=True)
                 apply(m, root)
                 killed, tail = run_guards(m, root, m.timeout or args.timeout)
-            verdict = "killed" if killed else "SURVIVED"
-            print(f"{verdict:8s} {m.name:34s} {time.perf_counter() - start:6.0f}s  {tail}", flush=True)
-            if not killed:
-                survivors.append(m.name)
+            return killed, tail, time.perf_counter() - start
+
+        # Each mutant runs in its own copy, its guards in their own processes (spools, ports and checks of leftovers
+        # are per process), so several can run at once.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {pool.submit(test_mutant, m): m for m in mutations}
+            for future in concurrent.futures.as_completed(futures):
+                m = futures[future]
+                killed, tail, seconds = future.result()
+                verdict = "killed" if killed else "SURVIVED"
+                print(f"{verdict:8s} {m.name:34s} {seconds:6.0f}s  {tail}", flush=True)
+                if not killed:
+                    survivors.append(m.name)
     print(f"\n{len(mutations) - len(survivors)}/{len(mutations)} mutations killed")
     if survivors:
         print("surviving (missing tests): " + ", ".join(survivors))
