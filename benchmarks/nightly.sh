@@ -10,9 +10,10 @@
 # They are (`python -m pytest -m nightly --collect-only -q` lists them), with their time on the 2-core machine:
 #   tests/test_long_runs.py::test_the_main_job_runs_300_steps_on_two_processes          ~150 s
 #   tests/test_backends.py::test_behaviour_logprobs_memory_at_64_rows_and_64_tokens     ~120 s
+#   tests/test_faults.py::test_interrupts_at_random_moments[last_four]                   ~65 s
 # CI keeps a shorter test of each guarantee: the TRL-docs-style script over 300 steps on two processes
-# (tests/test_long_runs.py, with the collective check on), and the memory check at 4 rows x 32 tokens
-# (tests/test_backends.py).
+# (tests/test_long_runs.py, with the collective check on), the memory check at 4 rows x 32 tokens
+# (tests/test_backends.py), and the first four of the eight random interrupts (tests/test_faults.py).
 set -euo pipefail
 case "${1:-}" in
 -h | --help)
