@@ -181,14 +181,8 @@ class _StopAfterQueueBatches(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, dataset, tokenizer, monkeypatch):
-    """Default start-up: the trainer makes the first batches itself while the generation process starts, and the
-    queue opens one batch ahead of the trainer's last one. Across the switch, every batch of the prompt stream is
-    trained on exactly once and in order: the trainer's batches first, then only the process's."""
-    args = make_args(tmp_path, max_steps=400)  # a cap: training stops a few queue batches after the switch
-    trainer = AsyncGRPOTrainer(
-        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
+def _record_batches(trainer, monkeypatch) -> list[tuple[int, bool]]:
+    """Every batch the trainer takes, as (its stream index, whether the trainer made it), in order."""
     seen: list[tuple[int, bool]] = []
     next_batch = trainer._rollout.next_batch
 
@@ -198,6 +192,18 @@ def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, datas
         return batch
 
     monkeypatch.setattr(trainer._rollout, "next_batch", recording_next_batch)
+    return seen
+
+
+def test_start_up_switch_trains_every_stream_batch_once_in_order(tmp_path, dataset, tokenizer, monkeypatch):
+    """Default start-up: the trainer makes the first batches itself while the generation process starts, and the
+    queue opens one batch ahead of the trainer's last one. Across the switch, every batch of the prompt stream is
+    trained on exactly once and in order: the trainer's batches first, then only the process's."""
+    args = make_args(tmp_path, max_steps=400)  # a cap: training stops a few queue batches after the switch
+    trainer = AsyncGRPOTrainer(
+        model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    seen = _record_batches(trainer, monkeypatch)
     trainer.add_callback(_StopAfterQueueBatches(seen, queue_batches=4))
     trainer.train()
     indices, from_trainer = zip(*seen, strict=True)
@@ -233,15 +239,7 @@ def test_a_generator_ready_while_the_trainer_trains_takes_over_at_the_next_batch
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    seen: list[tuple[int, bool]] = []
-    next_batch = trainer._rollout.next_batch
-
-    def recording_next_batch(*args, **kwargs):
-        batch = next_batch(*args, **kwargs)
-        seen.append((batch.payload.stream_index, batch.from_trainer))
-        return batch
-
-    monkeypatch.setattr(trainer._rollout, "next_batch", recording_next_batch)
+    seen = _record_batches(trainer, monkeypatch)
     waiting = _TrainUntilTheQueueOpens(trainer)
     trainer.add_callback(waiting)
     trainer.train()
@@ -258,15 +256,10 @@ def test_a_generator_ready_while_the_trainer_makes_a_batch_takes_over_one_batch_
     trainer = AsyncGRPOTrainer(
         model=load_model(), reward_funcs=answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    seen: list[tuple[int, bool]] = []
+    seen = _record_batches(trainer, monkeypatch)
     opened_while_making: list[bool] = []
     pipeline = trainer._rollout
-    next_batch, produce_locally = pipeline.next_batch, pipeline._produce_locally
-
-    def recording_next_batch(*args, **kwargs):
-        batch = next_batch(*args, **kwargs)
-        seen.append((batch.payload.stream_index, batch.from_trainer))
-        return batch
+    produce_locally = pipeline._produce_locally
 
     def slow_produce_locally(*args, **kwargs):
         import time
@@ -277,7 +270,6 @@ def test_a_generator_ready_while_the_trainer_makes_a_batch_takes_over_one_batch_
         opened_while_making.append(pipeline.queue.is_open)
         return produce_locally(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "next_batch", recording_next_batch)
     monkeypatch.setattr(pipeline, "_produce_locally", slow_produce_locally)
     trainer.train()
     assert opened_while_making == [True], "the queue did not open while the trainer made its batch"
