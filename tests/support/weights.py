@@ -13,6 +13,11 @@ def read_copy(store: SharedWeightStore, timeout: float = 300.0) -> tuple[dict[st
     return copy, store.read_into(copy, timeout=timeout)
 
 
+def weight_gap(base: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two versions' weights, over every tensor."""
+    return max((other[name].double() - base[name].double()).abs().max().item() for name in base)
+
+
 def control_version(tagged: int, weights: dict[int, dict[str, torch.Tensor]]) -> tuple[int, float]:
     """The control of a μ check: among the kept versions other than `tagged`, the one whose weights differ most from
     the tagged version's (the largest absolute difference over every tensor), and that difference.
@@ -21,13 +26,11 @@ def control_version(tagged: int, weights: dict[int, dict[str, torch.Tensor]]) ->
     update too small to see) leaves the next version equal to the last, and a "control" on equal weights would
     reproduce μ as well as the tagged version does (one GPU rank saw gaps [4.4e-06, 12.59] with tagged versions
     [0, 0, 1]). Raises when no other version is kept."""
-    base = weights[tagged]
     best: tuple[int, float] | None = None
     for version in sorted(weights):
         if version == tagged:
             continue
-        other = weights[version]
-        gap = max((other[name].double() - base[name].double()).abs().max().item() for name in base)
+        gap = weight_gap(weights[tagged], weights[version])
         if best is None or gap > best[1]:
             best = (version, gap)
     if best is None:
@@ -47,7 +50,5 @@ def control_candidates(tagged: int, weights: dict[int, dict[str, torch.Tensor]])
     candidates = [first]
     for version in (others[0], others[-1]):
         if version not in (v for v, _ in candidates):
-            base, other = weights[tagged], weights[version]
-            gap = max((other[name].double() - base[name].double()).abs().max().item() for name in base)
-            candidates.append((version, gap))
+            candidates.append((version, weight_gap(weights[tagged], weights[version])))
     return candidates
