@@ -276,7 +276,9 @@ def test_ranks_that_differ_stay_in_step(tmp_path, case):
     if case == "no_generator":  # rank 1 made every batch itself, rank 0 switched to its generation process
         assert all(b["from_trainer"] for b in ranks[1]["batches"])
         assert not ranks[0]["batches"][-1]["from_trainer"]
-    if case == "late_generator":  # rank 1 switched too, later
+    if case == "late_generator":  # rank 1 switched too, later (its generator waits for rank 0's switch)
+        switched = [next((b["step"] for b in r["batches"] if not b["from_trainer"]), None) for r in ranks]
+        assert None not in switched and switched[0] < switched[1], switched
         assert not ranks[1]["batches"][-1]["from_trainer"]
     _check_in_step_and_clean(ranks, max_steps)
 

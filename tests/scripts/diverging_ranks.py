@@ -23,16 +23,24 @@ from trl_async.trainers import collectives
 class SlowInChildReward:
     """A length reward that, in the generation process only (not in the trainer that built it), sleeps
     `startup_delay` seconds when it arrives there (the generation process unpickles its rewards before it reports
-    ready, so this delays its start) and `call_delay` seconds per batch (a slower generator)."""
+    ready, so this delays its start) and `call_delay` seconds per batch (a slower generator). With `wait_for`, it
+    first waits there until that file exists: rank 0's trainer writes it when its own generator's first batch reaches
+    it, so rank 1's generator gets ready after rank 0 switched, whatever the machine's speed."""
 
     __name__ = "slow_in_child_reward"
 
-    def __init__(self, startup_delay: float = 0.0, call_delay: float = 0.0):
+    def __init__(self, startup_delay: float = 0.0, call_delay: float = 0.0, wait_for: str | None = None):
         self.startup_delay, self.call_delay, self.owner = startup_delay, call_delay, os.getpid()
+        self.wait_for = wait_for
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        if os.getpid() != self.owner and self.startup_delay:
+        if os.getpid() == self.owner:
+            return
+        deadline = time.monotonic() + 600
+        while self.wait_for and not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.startup_delay:
             time.sleep(self.startup_delay)
 
     def __call__(self, completions, **kwargs):
@@ -41,11 +49,17 @@ class SlowInChildReward:
         return [min(len(c[0]["content"]), 24) / 24.0 for c in completions]
 
 
+# Rank 1's generator, in the cases where it starts late: ready once rank 0 has trained on its own generator's first
+# batch, and 2 s later (`AFTER_RANK0`). A fixed delay from spawn raced the run's length: on a fast machine 100 steps
+# ended before rank 1's generator was ready, and the case never saw rank 1 switch.
+AFTER_RANK0 = "after_rank0"
+RANK0_SWITCHED = "rank0_switched"
+
 # case -> (settings of both ranks, rank 1's generator: (startup delay s, delay per batch s), rank 0's)
 CASES = {
-    # Rank 0's generator is fast; rank 1's reports ready long after: rank 1 trains on batches it makes itself while
-    # rank 0 trains on its generator's.
-    "late_generator": ({}, (8.0, 0.0), (0.0, 0.0)),
+    # Rank 0's generator is fast; rank 1's reports ready after rank 0 switched: rank 1 trains on batches it makes
+    # itself while rank 0 trains on its generator's, then switches too.
+    "late_generator": ({}, AFTER_RANK0, (0.0, 0.0)),
     # Rank 1's generator never gets ready within the run: rank 1 makes every batch itself.
     "no_generator": ({}, (3600.0, 0.0), (0.0, 0.0)),
     # Rank 1's generator is slow: it gets ahead of its trainer less than rank 0's, whose rows are staler.
@@ -65,13 +79,13 @@ CASES = {
         (0.0, 0.4),
         (0.0, 0.0),
     ),
-    "inflight": ({"inflight_weight_updates": True, "max_staleness": 2}, (8.0, 0.0), (0.0, 0.0)),
-    "ppo": ({"trainer": "ppo"}, (8.0, 0.0), (0.0, 0.0)),
-    "m2po_global": ({"loss_type": "m2po", "m2po_scope": "global"}, (8.0, 0.0), (0.0, 0.0)),
+    "inflight": ({"inflight_weight_updates": True, "max_staleness": 2}, AFTER_RANK0, (0.0, 0.0)),
+    "ppo": ({"trainer": "ppo"}, AFTER_RANK0, (0.0, 0.0)),
+    "m2po_global": ({"loss_type": "m2po", "m2po_scope": "global"}, AFTER_RANK0, (0.0, 0.0)),
     # Several generation batches per decode (3 of 8 rows, bound 5), rank 1's generator slow: the ranks' blocks arrive
     # at different steps, and their batches' ages differ.
     "blocks": ({"loss_type": "m2po", "max_rows_per_decode": 24}, (0.0, 0.3), (0.0, 0.0)),
-    "two_iterations": ({"num_iterations": 2, "steps_per_generation": 2}, (8.0, 0.0), (0.0, 0.0)),
+    "two_iterations": ({"num_iterations": 2, "steps_per_generation": 2}, AFTER_RANK0, (0.0, 0.0)),
     # Two machines on one host (the test launches two single-process "machines"): both generators start alike.
     "two_machines": ({}, (0.0, 0.0), (0.0, 0.0)),
     # A script that logs on the main process only after training (as the recipe logs its evaluation): `log` must not
@@ -95,6 +109,8 @@ def recording(base):
                     "row_ids": [row["row_id"] for row in batch.payload.rows],
                 }
             )
+            if not batch.from_trainer and self.accelerator.process_index == 0:
+                open(os.path.join(self.args.output_dir, RANK0_SWITCHED), "a").close()  # releases rank 1's generator
             if self._rollout.process is not None:
                 self.record["generator_pid"] = self._rollout.process.pid
                 self.record["spool_dir"] = self._rollout.queue.spool_dir if self._rollout.queue else None
@@ -115,7 +131,9 @@ def main():
     trainer_kind = settings.pop("trainer", "grpo")
     num_prompts = settings.pop("num_prompts", 256)
     rank = int(os.environ.get("RANK", "0"))
-    startup_delay, call_delay = slow_rank1 if rank == 1 else slow_rank0
+    generator_speed = slow_rank1 if rank == 1 else slow_rank0
+    wait_for = os.path.join(output_dir, RANK0_SWITCHED) if generator_speed == AFTER_RANK0 else None
+    startup_delay, call_delay = (2.0, 0.0) if generator_speed == AFTER_RANK0 else generator_speed
     config_class = AsyncPPOConfig if trainer_kind == "ppo" else AsyncGRPOConfig
     args = config_class(
         output_dir=output_dir,
@@ -136,7 +154,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     trainer = trainer_class(
         model=AutoModelForCausalLM.from_pretrained(tiny_model_path()),
-        reward_funcs=SlowInChildReward(startup_delay, call_delay),
+        reward_funcs=SlowInChildReward(startup_delay, call_delay, wait_for),
         args=args,
         train_dataset=make_arithmetic_dataset(num_train=num_prompts, num_test=4, seed=1)["train"].map(
             lambda row, index: {"row_id": index}, with_indices=True
