@@ -11,9 +11,11 @@
 #   tests/test_long_runs.py::test_the_main_job_runs_300_steps_on_two_processes          ~150 s
 #   tests/test_backends.py::test_behaviour_logprobs_memory_at_64_rows_and_64_tokens     ~120 s
 #   tests/test_faults.py::test_interrupts_at_random_moments[last_four]                   ~65 s
+#   tests/test_resume_and_failures.py::test_killed_generator_twenty_times_at_random_moments[rest]   ~45 s
 # CI keeps a shorter test of each guarantee: the TRL-docs-style script over 300 steps on two processes
 # (tests/test_long_runs.py, with the collective check on), the memory check at 4 rows x 32 tokens
-# (tests/test_backends.py), and the first four of the eight random interrupts (tests/test_faults.py).
+# (tests/test_backends.py), the first four of the eight random interrupts (tests/test_faults.py) and the first eight
+# of the twenty-one generator kills (tests/test_resume_and_failures.py).
 set -euo pipefail
 case "${1:-}" in
 -h | --help)
