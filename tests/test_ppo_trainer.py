@@ -654,7 +654,6 @@ def bar_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ppo_bar")  # one worker runs both: the bar run is built once
 def test_tiny_arithmetic_reward_rises(bar_run):
     reward, quarter = bar_run["reward"], BAR_STEPS // 4
     gain = sum(reward[-quarter:]) / quarter - sum(reward[:quarter]) / quarter
@@ -664,7 +663,6 @@ def test_tiny_arithmetic_reward_rises(bar_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ppo_bar")  # one worker runs both: the bar run is built once
 def test_tiny_arithmetic_explained_variance_rises(bar_run):
     ev, quarter = bar_run["explained_variance"], BAR_STEPS // 4
     start, end = sum(ev[:10]) / 10, sum(ev[-quarter:]) / quarter
