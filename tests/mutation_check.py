@@ -1696,12 +1696,13 @@ def _guards_in_child(root: str, guards: tuple[str, ...], log_path: str) -> None:
     """A fork-server child: runs pytest on the guards against the mutant in `root`, output to `log_path`, and exits
     with pytest's status. Its own session, so that a timeout kills what its tests started too."""
     os.setsid()
-    leaked = [name for name in ("trl_async", "tests", "benchmarks", "recipes") if name in sys.modules]
-    if leaked:  # the mutant's code must be imported from its copy, never inherited from the server
-        os._exit(4)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    leaked = [name for name in ("trl_async", "tests", "benchmarks", "recipes") if name in sys.modules]
+    if leaked:  # the mutant's code must be imported from its copy, never inherited from the server
+        print(f"the fork server already imported {leaked}: the guards would not test the mutant", flush=True)
+        os._exit(4)
     os.chdir(root)
     os.environ.update(PYTHONPATH=root, OMP_NUM_THREADS="1")  # the processes the tests start import the mutant too
     sys.path.insert(0, root)
