@@ -55,7 +55,7 @@ class SlowInChildReward:
 AFTER_RANK0 = "after_rank0"
 RANK0_SWITCHED = "rank0_switched"
 
-# case -> (settings of both ranks, rank 1's generator: (startup delay s, delay per batch s), rank 0's)
+# case -> (settings of both ranks, rank 1's generator: (startup delay s, delay per batch s) or AFTER_RANK0, rank 0's)
 CASES = {
     # Rank 0's generator is fast; rank 1's reports ready after rank 0 switched: rank 1 trains on batches it makes
     # itself while rank 0 trains on its generator's, then switches too.
